@@ -1,0 +1,34 @@
+"""The attention backend protocol: the only place the model touches the paged KV cache.
+
+A backend's forward does two things, in this order:
+  1. writes this step's key/value rows into kv_cache at meta.slot_mapping (so a token sees its own K/V);
+  2. lets each sequence's new tokens attend causally to that sequence's whole cached context, read through
+     its block table.
+Backends must agree with the reference backend (tests/attention compares them against dense attention).
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from pagedserve.attention.metadata import AttentionMetadata
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        # query [T, Hq, D], key/value [T, Hkv, D] with Hq % Hkv == 0 (GQA),
+        # kv_cache: one layer's [2, num_blocks, block_size, Hkv, D]; returns [T, Hq, D].
+        ...
+
+
+def get_attention_backend(name: str = "reference") -> AttentionBackend:
+    # Imported lazily so adding a backend with optional dependencies never breaks the others.
+    if name == "reference":
+        from pagedserve.attention.reference import ReferenceAttentionBackend
+
+        return ReferenceAttentionBackend()
+    raise ValueError(f"unknown attention backend {name!r}; available: ['reference']")

@@ -1,0 +1,103 @@
+"""Reference paged attention in plain torch (CPU or CUDA). Correctness first, but not naive.
+
+Sequences are split by query length:
+  - decode sequences (1 new token) run together: their blocks are gathered into a padded
+    [B, L, Hkv, D] view and attended with one masked SDPA call;
+  - prefill / chunked-prefill sequences run one at a time with SDPA and a causal mask shifted by the
+    cached context:
+
+        keys:     0 1 2 3 4 5 6        (seq_len = 7, of which 3 are new)
+        query 4:  x x x x x . .        query j attends to keys <= context_len + j
+        query 5:  x x x x x x .
+        query 6:  x x x x x x x
+
+K/V are gathered through block tables only transiently inside the call; nothing contiguous per request
+outlives it. Loop bounds come from the host lists in the metadata so CUDA never syncs on .item().
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pagedserve.attention.metadata import AttentionMetadata
+
+
+def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    num_kv_heads, head_dim = kv_cache.shape[-2:]
+    # kv_cache[i] is a contiguous slice, so the flat view aliases the pool and index_copy_ writes in place.
+    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
+    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+
+
+def gather_kv(kv_cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    # block_tables [B, >= num_blocks] -> keys, values [B, num_blocks * block_size, Hkv, D]
+    blocks = block_tables[:, :num_blocks]
+    batch, (block_size, num_kv_heads, head_dim) = blocks.shape[0], kv_cache.shape[2:]
+    shape = (batch, num_blocks * block_size, num_kv_heads, head_dim)
+    return kv_cache[0][blocks].view(shape), kv_cache[1][blocks].view(shape)
+
+
+class ReferenceAttentionBackend:
+    name = "reference"
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        write_kv(kv_cache, key, value, meta.slot_mapping)
+        out = torch.empty_like(query)
+        query_starts = [0]
+        for q_len in meta.query_lens_list:
+            query_starts.append(query_starts[-1] + q_len)
+
+        decode_ids = [i for i, q_len in enumerate(meta.query_lens_list) if q_len == 1]
+        if decode_ids:
+            self._decode(query, kv_cache, meta, decode_ids, query_starts, scale, out)
+        for i, q_len in enumerate(meta.query_lens_list):
+            if q_len > 1:
+                start = query_starts[i]
+                out[start:start + q_len] = self._prefill_one(
+                    query[start:start + q_len], kv_cache, meta.block_tables[i], meta.seq_lens_list[i], scale)
+        return out
+
+    def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                decode_ids: list[int], query_starts: list[int], scale: float, out: torch.Tensor) -> None:
+        block_size, num_kv_heads, head_dim = kv_cache.shape[2:]
+        max_len = max(meta.seq_lens_list[i] for i in decode_ids)
+        num_blocks = -(-max_len // block_size)
+        all_decode = len(decode_ids) == meta.num_seqs
+        if all_decode:  # the common pure-decode step: token i belongs to sequence i, no indexing needed
+            q, block_tables, seq_lens = query, meta.block_tables, meta.seq_lens
+        else:
+            seq_idx = torch.tensor(decode_ids, device=query.device)
+            tok_idx = torch.tensor([query_starts[i] for i in decode_ids], device=query.device)
+            q, block_tables, seq_lens = query[tok_idx], meta.block_tables[seq_idx], meta.seq_lens[seq_idx]
+        batch, num_heads = q.shape[0], q.shape[1]
+        keys, values = gather_kv(kv_cache, block_tables, num_blocks)  # [B, L, Hkv, D]
+        # GQA: query head h reads kv head h // group, so [B, Hq, D] -> [B, Hkv, group, D] treats the group
+        # as SDPA's "query length" axis; no K/V repeat is materialized.
+        q = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        positions = torch.arange(num_blocks * block_size, device=query.device)
+        mask = (positions[None, :] < seq_lens[:, None]).view(batch, 1, 1, -1)  # padding and stale slots off
+        o = F.scaled_dot_product_attention(q, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask,
+                                           scale=scale)
+        o = o.reshape(batch, num_heads, head_dim).to(out.dtype)
+        if all_decode:
+            out.copy_(o)
+        else:
+            out.index_copy_(0, tok_idx, o)
+
+    def _prefill_one(self, q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int,
+                     scale: float) -> torch.Tensor:
+        block_size = kv_cache.shape[2]
+        q_len = q.shape[0]
+        keys, values = gather_kv(kv_cache, block_table[None], -(-seq_len // block_size))
+        keys, values = keys[0, :seq_len].transpose(0, 1)[None], values[0, :seq_len].transpose(0, 1)[None]
+        q = q.transpose(0, 1)[None]  # [1, Hq, q_len, D]
+        if q_len == seq_len:  # no cached context: SDPA's top-left causal mask is exactly right
+            o = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            context_len = seq_len - q_len
+            key_pos = torch.arange(seq_len, device=q.device)
+            query_pos = torch.arange(q_len, device=q.device) + context_len
+            mask = key_pos[None, :] <= query_pos[:, None]
+            o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+        return o[0].transpose(0, 1)

@@ -1,0 +1,106 @@
+"""`pagedserve generate | chat | serve | ...`, with vLLM's flag names where vLLM has them."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="GGUF file or Hugging Face directory (default: embedded SmolLM2)")
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--block-size", type=int, default=16)
+    mem = g.add_mutually_exclusive_group()
+    mem.add_argument("--kv-cache-memory", type=int, default=None, metavar="BYTES")
+    mem.add_argument("--kv-cache-fraction", type=float, default=0.25, metavar="F")
+    g.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument("--max-num-batched-tokens", type=int, default=512)
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--swap-space", type=float, default=0.0, metavar="GiB")
+    g.add_argument("--preemption-mode", choices=["recompute", "swap"], default="recompute")
+    g.add_argument("--device", default="auto")
+    g.add_argument("--num-threads", type=int, default=None)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--chat-template", default=None, metavar="FILE")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(max_model_len=args.max_model_len, block_size=args.block_size,
+                kv_cache_memory_bytes=args.kv_cache_memory, kv_cache_fraction=args.kv_cache_fraction,
+                num_gpu_blocks_override=args.num_gpu_blocks_override, max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                enable_prefix_caching=args.enable_prefix_caching, swap_space=args.swap_space,
+                preemption_mode=args.preemption_mode, device=args.device, num_threads=args.num_threads,
+                seed=args.seed, chat_template=args.chat_template)
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--n", type=int, default=1)
+    g.add_argument("--sampling-seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=None)
+    g.add_argument("--ignore-eos", action="store_true")
+
+
+def sampling_params(args: argparse.Namespace):
+    from pagedserve.sampling_params import SamplingParams
+
+    return SamplingParams(n=args.n, max_tokens=args.max_tokens, temperature=args.temperature,
+                          top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, seed=args.sampling_seed,
+                          stop=args.stop, ignore_eos=args.ignore_eos)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from pagedserve.llm import LLM
+
+    llm = LLM(args.model, **engine_kwargs(args))
+    params = sampling_params(args)
+    if args.command == "chat":
+        outs = llm.chat([{"role": "user", "content": p} for p in args.prompts][:1], params, use_tqdm=False)
+    else:
+        outs = llm.generate(args.prompts, params, use_tqdm=len(args.prompts) > 1)
+    for out in outs:
+        for c in out.outputs:
+            print(c.text if args.command == "chat" else (out.prompt or "") + c.text)
+            print(f"[finish_reason={c.finish_reason}, tokens={len(c.token_ids)}]", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedserve", description="PagedAttention LLM serving engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, help_ in (("generate", "complete prompts offline"), ("chat", "answer one chat message")):
+        p = sub.add_parser(name, help=help_)
+        p.add_argument("prompts", nargs="+")
+        add_engine_args(p)
+        add_sampling_args(p)
+        p.set_defaults(func=cmd_generate)
+    try:
+        from pagedserve.server.cli_args import add_serve_parser
+    except ImportError:
+        pass
+    else:
+        add_serve_parser(sub, add_engine_args)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

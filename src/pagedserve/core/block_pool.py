@@ -1,0 +1,107 @@
+"""The pool of physical KV blocks: reference counts, an LRU free queue and the prefix-cache hash map.
+
+Invariants:
+  * a block with ref_cnt 0 is in the free queue; a block with ref_cnt > 0 is not;
+  * a block with a hash is in `cached` under that hash (one block per hash) until it is evicted;
+  * the free queue is ordered least-recently-freed first, so eviction takes the coldest cached block.
+Freed blocks keep their hash and contents: a later request with the same prefix can take them back
+(a "cache hit on a free block") until allocation reuses them for something else.
+"""
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass
+
+BlockHash = bytes
+
+
+def hash_block_tokens(parent_hash: BlockHash | None, token_ids: list[int] | tuple[int, ...],
+                      extra_key: bytes = b"") -> BlockHash:
+    # A block's identity is its whole prefix: chaining the parent's hash makes equal tokens at different
+    # prefixes hash differently. sha256 makes collisions (which would silently corrupt outputs) negligible.
+    h = hashlib.sha256(parent_hash or b"\0")
+    h.update(array("q", token_ids).tobytes())
+    h.update(extra_key)
+    return h.digest()
+
+
+@dataclass(slots=True)
+class KVBlock:
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: BlockHash | None = None
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"the KV pool needs at least one block, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self.free_queue: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self.cached: dict[BlockHash, KVBlock] = {}
+        self.num_evictions = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    def usage(self) -> float:
+        return 1.0 - len(self.free_queue) / self.num_blocks
+
+    def allocate(self, num: int) -> list[KVBlock]:
+        if num > len(self.free_queue):
+            raise ValueError(f"cannot allocate {num} blocks, {len(self.free_queue)} free")
+        out = []
+        for _ in range(num):
+            _, block = self.free_queue.popitem(last=False)
+            self._evict(block)
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def _evict(self, block: KVBlock) -> None:
+        if block.block_hash is not None:
+            if self.cached.get(block.block_hash) is block:
+                del self.cached[block.block_hash]
+            block.block_hash = None
+            self.num_evictions += 1
+
+    def touch(self, blocks: list[KVBlock]) -> None:
+        # Take a reference on blocks found in the prefix cache (possibly sitting in the free queue).
+        for block in blocks:
+            if block.ref_cnt == 0:
+                del self.free_queue[block.block_id]
+            block.ref_cnt += 1
+
+    def free(self, blocks: list[KVBlock]) -> None:
+        # Callers pass a sequence's blocks tail first, so its last blocks (least likely to be shared) are
+        # evicted before its prefix.
+        for block in blocks:
+            block.ref_cnt -= 1
+            assert block.ref_cnt >= 0, f"block {block.block_id} freed twice"
+            if block.ref_cnt == 0:
+                self.free_queue[block.block_id] = block
+
+    def lookup(self, block_hash: BlockHash) -> KVBlock | None:
+        return self.cached.get(block_hash)
+
+    def cache(self, block: KVBlock, block_hash: BlockHash) -> None:
+        # A full block becomes findable by its hash. If an equal block is already cached, keep that one.
+        if not self.enable_caching or block.block_hash is not None:
+            return
+        if block_hash in self.cached:
+            return
+        block.block_hash = block_hash
+        self.cached[block_hash] = block
+
+    def reset_prefix_cache(self) -> bool:
+        if len(self.free_queue) != self.num_blocks:
+            return False
+        for block in self.blocks:
+            block.block_hash = None
+        self.cached.clear()
+        return True

@@ -1,0 +1,99 @@
+"""The offline API, as vLLM's: `LLM(...).generate(prompts, SamplingParams(...))` and `.chat(messages)`."""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from tqdm.auto import tqdm
+
+from pagedserve.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
+from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.engine.processor import PromptInput
+from pagedserve.outputs import RequestOutput
+from pagedserve.sampling_params import SamplingParams
+
+
+def engine_config_from_kwargs(model: str | None = None, *, tokenizer: str | None = None,
+                              max_model_len: int | None = None, dtype: str = "float32", seed: int = 0,
+                              chat_template: str | None = None, block_size: int = 16,
+                              kv_cache_memory_bytes: int | None = None, kv_cache_fraction: float = 0.25,
+                              num_gpu_blocks_override: int | None = None, enable_prefix_caching: bool = True,
+                              swap_space: float = 0.0, preemption_mode: str = "recompute",
+                              max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
+                              enable_chunked_prefill: bool = True, device: str = "auto",
+                              num_threads: int | None = None) -> EngineConfig:
+    return EngineConfig(
+        model=ModelConfig(model, tokenizer, max_model_len, dtype, seed, chat_template),
+        cache=CacheConfig(block_size, kv_cache_memory_bytes, kv_cache_fraction, num_gpu_blocks_override,
+                          enable_prefix_caching, swap_space, preemption_mode),
+        scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill),
+        device=DeviceConfig(device, num_threads))
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        self.llm_engine = LLMEngine(engine_config_from_kwargs(model, **kwargs))
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts: PromptInput | Sequence[PromptInput],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                                 and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(f"got {len(prompts)} prompts but {len(params_list)} sampling params")
+        engine = self.llm_engine
+        ids = []
+        try:
+            for prompt, params in zip(prompts, params_list):
+                rid = engine.next_request_id()
+                engine.add_request(rid, prompt, params)
+                ids.append(rid)
+        except Exception:
+            engine.abort_request(ids)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, chat_template: str | None = None,
+             add_generation_prompt: bool = True, **template_kwargs: Any) -> list[RequestOutput]:
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        proc = self.llm_engine.processor
+        texts = [proc.apply_chat_template(conv, chat_template, add_generation_prompt, **template_kwargs)
+                 for conv in conversations]
+        # The template already holds any special tokens; encoding must not add a second BOS.
+        prompts = [{"prompt_token_ids": proc.tokenizer.encode(t, add_special_tokens=False)} for t in texts]
+        outs = self.generate(prompts, sampling_params, use_tqdm)
+        for out, text in zip(outs, texts):
+            out.prompt = text
+        return outs
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        wanted = set(ids)
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+        try:
+            while len(done) < len(ids):
+                for out in engine.step():
+                    if out.finished and out.request_id in wanted:
+                        done[out.request_id] = out
+                        bar.update(1)
+                if not engine.has_unfinished_requests() and len(done) < len(ids):
+                    raise RuntimeError("the engine stopped with requests unfinished")
+        except BaseException:
+            engine.abort_request([i for i in ids if i not in done])
+            raise
+        finally:
+            bar.close()
+        return [done[i] for i in ids]

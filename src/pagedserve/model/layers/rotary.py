@@ -1,0 +1,64 @@
+"""Rotary position embedding for flattened tokens, indexed by each token's absolute position.
+
+Inverse frequencies come from transformers' ROPE_INIT_FUNCTIONS so scaled variants (linear, llama3, yarn)
+match the checkpoints' reference implementation exactly. Rotation is the "rotate half" (GPT-NeoX) layout
+that HF Llama weights use; GGUF q/k rows are un-permuted into that layout by the loader.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+# "dynamic" (NTK) only rescales once a sequence outgrows max_position_embeddings, and the loader caps
+# max_model_len there, so its frequencies at that length (== default) are exact. "longrope" switches
+# frequency sets with the current sequence length, which one batch of mixed lengths cannot share: refused.
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+
+
+def rope_parameters(hf_config) -> dict:
+    # transformers >= 5 keeps everything in config.rope_parameters; older configs used rope_theta + rope_scaling.
+    params = dict(getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {})
+    params.setdefault("rope_type", params.get("type", "default"))
+    params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    return params
+
+
+def compute_inv_freq(hf_config, head_dim: int) -> tuple[torch.Tensor, float]:
+    params = rope_parameters(hf_config)
+    rope_type = params["rope_type"]
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"unsupported rope type {rope_type!r}; supported: {list(SUPPORTED_ROPE_TYPES)}")
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError("partial rotary embeddings are not supported")
+    if rope_type == "default":
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+        return 1.0 / (params["rope_theta"] ** exponents), 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, None)
+    return inv_freq.float(), float(attention_scaling)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, hf_config, head_dim: int, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        inv_freq, self.attention_scaling = compute_inv_freq(hf_config, head_dim)
+        if inv_freq.numel() * 2 != head_dim:
+            raise ValueError(f"rotary dim {inv_freq.numel() * 2} != head_dim {head_dim}")
+        # Not persistent: derived from the config, never read from a checkpoint.
+        self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
+
+    def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions [T]; query [T, Hq, D]; key [T, Hkv, D]. Angles in float32 as in the reference model,
+        # then cast to the activations' dtype.
+        freqs = positions[:, None].float() * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = (emb.cos() * self.attention_scaling).to(query.dtype)[:, None, :]
+        sin = (emb.sin() * self.attention_scaling).to(query.dtype)[:, None, :]
+        return query * cos + _rotate_half(query) * sin, key * cos + _rotate_half(key) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

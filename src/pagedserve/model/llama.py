@@ -1,0 +1,182 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2) over flattened tokens and a paged KV cache.
+
+Differences within the family are config-driven: Qwen2 has q/k/v biases, Llama may have
+attention_bias / mlp_bias, head_dim may differ from hidden_size // num_heads, embeddings may be tied.
+Sliding-window attention (Mistral v0.1, Qwen2 with use_sliding_window) is not implemented; the loader caps
+max_model_len at the window instead, where full attention and windowed attention agree.
+
+q/k/v and gate/up are fused into one matmul each; load_weights maps HF checkpoint names into the slices:
+
+    qkv_proj.weight     = [ q_proj (Hq*D) | k_proj (Hkv*D) | v_proj (Hkv*D) ]   rows
+    gate_up_proj.weight = [ gate_proj (I)  | up_proj (I) ]                      rows
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedserve.attention.backend import AttentionBackend
+from pagedserve.attention.metadata import AttentionMetadata
+from pagedserve.model.layers.activation import SiluAndMul
+from pagedserve.model.layers.norm import RMSNorm
+from pagedserve.model.layers.rotary import RotaryEmbedding
+
+# HF shard name -> (fused param name, shard index)
+_STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+            "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def _linear(in_features: int, out_features: int, bias: bool, device, dtype) -> nn.Linear:
+    # Weights are always overwritten by load_weights, so random init would only cost load time.
+    return nn.utils.skip_init(nn.Linear, in_features, out_features, bias=bias, device=device, dtype=dtype)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, hf_config, attn_backend: AttentionBackend, device, dtype) -> None:
+        super().__init__()
+        hidden = hf_config.hidden_size
+        self.num_heads = hf_config.num_attention_heads
+        self.num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(hf_config, "head_dim", None) or hidden // self.num_heads
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_attention_heads {self.num_heads} is not a multiple of "
+                             f"num_key_value_heads {self.num_kv_heads}")
+        is_qwen2 = hf_config.model_type == "qwen2"
+        attention_bias = bool(getattr(hf_config, "attention_bias", False))
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = _linear(hidden, self.q_size + 2 * self.kv_size, is_qwen2 or attention_bias, device, dtype)
+        self.o_proj = _linear(self.q_size, hidden, attention_bias and not is_qwen2, device, dtype)
+        self.rotary_emb = RotaryEmbedding(hf_config, self.head_dim, device=device)
+        self.attn_backend = attn_backend
+        self.scale = self.head_dim ** -0.5
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        num_tokens = x.shape[0]
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary_emb(positions, q, k)
+        o = self.attn_backend.forward(q, k, v, kv_cache, meta, self.scale)
+        return self.o_proj(o.reshape(num_tokens, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, hf_config, device, dtype) -> None:
+        super().__init__()
+        act = getattr(hf_config, "hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"unsupported hidden_act {act!r}; only 'silu' is implemented")
+        bias = bool(getattr(hf_config, "mlp_bias", False))
+        hidden, inter = hf_config.hidden_size, hf_config.intermediate_size
+        self.gate_up_proj = _linear(hidden, 2 * inter, bias, device, dtype)
+        self.down_proj = _linear(inter, hidden, bias, device, dtype)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, hf_config, attn_backend: AttentionBackend, device, dtype) -> None:
+        super().__init__()
+        eps = hf_config.rms_norm_eps
+        self.input_layernorm = RMSNorm(hf_config.hidden_size, eps, device=device, dtype=dtype)
+        self.self_attn = LlamaAttention(hf_config, attn_backend, device, dtype)
+        self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, eps, device=device, dtype=dtype)
+        self.mlp = LlamaMLP(hf_config, device, dtype)
+
+    def forward(self, positions: torch.Tensor, h: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        h = h + self.self_attn(positions, self.input_layernorm(h), kv_cache, meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, hf_config, attn_backend: AttentionBackend, device, dtype) -> None:
+        super().__init__()
+        self.embed_tokens = nn.utils.skip_init(nn.Embedding, hf_config.vocab_size, hf_config.hidden_size,
+                                               device=device, dtype=dtype)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(hf_config, attn_backend, device, dtype)
+                                    for _ in range(hf_config.num_hidden_layers))
+        self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, device=device, dtype=dtype)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, hf_config, attn_backend: AttentionBackend, *, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.config = hf_config
+        self.model = LlamaModel(hf_config, attn_backend, device, dtype)
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        # Tied: logits reuse the embedding matrix; no separate lm_head parameter exists.
+        self.lm_head = None if self.tie_word_embeddings else _linear(
+            hf_config.hidden_size, hf_config.vocab_size, False, device, dtype)
+        attn = self.model.layers[0].self_attn if len(self.model.layers) else None
+        self.num_kv_heads = attn.num_kv_heads if attn else 0
+        self.head_dim = attn.head_dim if attn else 0
+        inter = hf_config.intermediate_size
+        self._shard_sizes = {"qkv_proj": [attn.q_size, attn.kv_size, attn.kv_size] if attn else [],
+                             "gate_up_proj": [inter, inter]}
+        self.requires_grad_(False)  # serving only; no autograd graph even outside inference_mode
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                meta: AttentionMetadata) -> torch.Tensor:
+        if len(kv_caches) != len(self.model.layers):
+            raise ValueError(f"got {len(kv_caches)} kv caches for {len(self.model.layers)} layers")
+        h = self.model.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.model.layers, kv_caches):
+            h = layer(positions, h, kv_cache, meta)
+        return self.model.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight)
+
+    def _num_shards(self, param_name: str) -> int:
+        return len(self._shard_sizes.get(param_name.split(".")[-2], [param_name]))
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.named_parameters())
+        loaded: set[tuple[str, int]] = set()
+        for hf_name, tensor in weights:
+            if hf_name.endswith(_IGNORED_SUFFIXES):
+                continue
+            if hf_name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied checkpoints sometimes still store a copy of the embedding
+            parts = hf_name.split(".")
+            stacked = _STACKED.get(parts[-2]) if len(parts) >= 2 else None
+            if stacked is None:
+                name, shard, dst = hf_name, 0, params.get(hf_name)
+            else:
+                fused, shard = stacked
+                name = ".".join(parts[:-2] + [fused, parts[-1]])
+                dst = params.get(name)
+                if dst is not None:
+                    sizes = self._shard_sizes[fused]
+                    start = sum(sizes[:shard])
+                    dst = dst[start:start + sizes[shard]]
+            if dst is None:
+                raise ValueError(f"checkpoint tensor {hf_name!r} has no matching parameter in "
+                                 f"{type(self).__name__}")
+            if tuple(dst.shape) != tuple(tensor.shape):
+                raise ValueError(f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
+                                 f"expected {tuple(dst.shape)}")
+            dst.copy_(tensor)
+            loaded.add((name, shard))
+        missing = [name if self._num_shards(name) == 1 else f"{name}[shard {shard}]"
+                   for name in params for shard in range(self._num_shards(name)) if (name, shard) not in loaded]
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:5]}")
+
+
+# Same module tree, same weight names; only the config differs.
+MistralForCausalLM = LlamaForCausalLM
+Qwen2ForCausalLM = LlamaForCausalLM

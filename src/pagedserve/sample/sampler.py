@@ -1,0 +1,247 @@
+"""Batched next-token sampling over logits rows [N, V].
+
+Order per step (as in vLLM): min_tokens masking -> repetition / frequency / presence penalties -> greedy rows
+take the argmax; random rows go through temperature -> top-k -> top-p -> min-p -> one draw. Logprobs describe
+the raw model distribution (log_softmax before any of the above), which is vLLM's default.
+
+A draw is an exponential race: argmax(p / q) with q ~ Exp(1) i.i.d. picks token i with probability p_i, and
+needs neither normalized probabilities nor a cumulative sum. A seeded row draws its q from its own generator,
+V numbers per step whatever the batch holds, so its tokens do not depend on its batch mates or position.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from pagedserve.sampling_params import SamplingParams
+
+_NEG_INF = float("-inf")
+
+
+def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
+    # The generator must live on the logits' device: exponential_ on a CUDA tensor rejects a CPU generator.
+    return torch.Generator(device=torch.device(device)).manual_seed(seed)
+
+
+@dataclass(slots=True)
+class SamplingRow:
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    generator: torch.Generator | None = None  # from make_generator(params.seed, ...); None = shared default
+    eos_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class SamplingBatch:
+    num_rows: int
+    vocab_size: int
+    all_greedy: bool
+    all_random: bool
+    # Each tensor below is None when no row in the batch uses that feature, so the step skips it.
+    is_greedy: torch.Tensor | None = None  # [N] bool, only when greedy and random rows mix
+    temperature: torch.Tensor | None = None  # [N] fp32, 1.0 on greedy rows
+    top_k: torch.Tensor | None = None  # [N] int64, 0 = disabled on that row
+    max_top_k: int = 0
+    top_p: torch.Tensor | None = None  # [N] fp32
+    min_p: torch.Tensor | None = None  # [N] fp32
+    repetition_penalty: torch.Tensor | None = None  # [N, 1]
+    frequency_penalty: torch.Tensor | None = None  # [N, 1]
+    presence_penalty: torch.Tensor | None = None  # [N, 1]
+    output_counts: torch.Tensor | None = None  # [N, V] fp32: occurrences of each token in the output
+    prompt_mask: torch.Tensor | None = None  # [N, V] bool: token occurs in the prompt
+    # Flat (row, token) pairs to ban: stop/eos tokens of rows still short of min_tokens.
+    banned_rows: torch.Tensor | None = None
+    banned_token_ids: torch.Tensor | None = None
+    generators: list[torch.Generator | None] = field(default_factory=list)
+    num_logprobs: list[int | None] = field(default_factory=list)
+    max_num_logprobs: int | None = None  # None: no row asked for logprobs
+
+    @property
+    def no_processing(self) -> bool:
+        return (self.all_greedy and self.output_counts is None and self.banned_rows is None
+                and self.max_num_logprobs is None)
+
+    @classmethod
+    def build(cls, rows: list[SamplingRow], vocab_size: int, device: torch.device | str) -> SamplingBatch:
+        device = torch.device(device)
+        params = [r.params for r in rows]
+        greedy = [p.is_greedy for p in params]
+        batch = cls(num_rows=len(rows), vocab_size=vocab_size, all_greedy=all(greedy),
+                     all_random=not any(greedy), generators=[r.generator for r in rows],
+                     num_logprobs=[p.logprobs for p in params])
+        requested = [k for k in batch.num_logprobs if k is not None]
+        if requested:
+            batch.max_num_logprobs = min(max(requested), vocab_size)
+
+        def vec(values, dtype=torch.float32):
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        if not batch.all_greedy:
+            if not batch.all_random:
+                batch.is_greedy = vec(greedy, torch.bool)
+            batch.temperature = vec([1.0 if g else p.temperature for g, p in zip(greedy, params)])
+            if any(p.top_k >= 1 for p in params):
+                ks = [min(p.top_k, vocab_size) if p.top_k >= 1 else 0 for p in params]
+                batch.top_k, batch.max_top_k = vec(ks, torch.int64), max(ks)
+            if any(p.top_p < 1.0 for p in params):
+                batch.top_p = vec([p.top_p for p in params])
+            if any(p.min_p > 0.0 for p in params):
+                batch.min_p = vec([p.min_p for p in params])
+
+        if any(p.has_penalties for p in params):
+            batch._build_penalties(rows, device)
+
+        banned_rows: list[int] = []
+        banned_ids: list[int] = []
+        for i, r in enumerate(rows):
+            if len(r.output_token_ids) < r.params.min_tokens:
+                # ignore_eos means eos would not end the request anyway, so it need not be banned.
+                stops = list(r.params.stop_token_ids) + ([] if r.params.ignore_eos else list(r.eos_token_ids))
+                ids = sorted({t for t in stops if 0 <= t < vocab_size})
+                banned_rows += [i] * len(ids)
+                banned_ids += ids
+        if banned_rows:
+            batch.banned_rows = vec(banned_rows, torch.int64)
+            batch.banned_token_ids = vec(banned_ids, torch.int64)
+        return batch
+
+    def _build_penalties(self, rows: list[SamplingRow], device: torch.device) -> None:
+        n, v = self.num_rows, self.vocab_size
+        penalized = [r.params.has_penalties for r in rows]
+
+        def padded(lists: list[list[int]]) -> torch.Tensor:
+            # Pad with v: counts land in a spare column v that is sliced off. Unpenalized rows stay empty.
+            width = max((len(ids) for ids in lists), default=0)
+            data = [ids + [v] * (width - len(ids)) for ids in lists]
+            return torch.tensor(data, dtype=torch.int64).reshape(n, width).to(device)
+
+        out_ids = padded([r.output_token_ids if p else [] for r, p in zip(rows, penalized)])
+        counts = torch.zeros(n, v + 1, dtype=torch.float32, device=device)
+        counts.scatter_add_(1, out_ids, torch.ones_like(out_ids, dtype=torch.float32))
+        self.output_counts = counts[:, :v]
+        params = [r.params for r in rows]
+        column = lambda vals: torch.tensor(vals, dtype=torch.float32, device=device).unsqueeze(1)  # noqa: E731
+        if any(p.repetition_penalty != 1.0 for p in params):
+            self.repetition_penalty = column([p.repetition_penalty for p in params])
+            prompt_ids = padded([r.prompt_token_ids if p.repetition_penalty != 1.0 else []
+                                 for r, p in zip(rows, params)])
+            mask = torch.zeros(n, v + 1, dtype=torch.bool, device=device)
+            mask.scatter_(1, prompt_ids, True)
+            self.prompt_mask = mask[:, :v]
+        if any(p.frequency_penalty != 0.0 for p in params):
+            self.frequency_penalty = column([p.frequency_penalty for p in params])
+        if any(p.presence_penalty != 0.0 for p in params):
+            self.presence_penalty = column([p.presence_penalty for p in params])
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    sampled_token_ids: list[int]
+    # The three below are None when no row asked for logprobs; otherwise filled for every row
+    # (top_logprobs is [] on rows that did not ask).
+    logprobs: list[float] | None = None  # logprob of each sampled token
+    ranks: list[int] | None = None  # 1-based rank of each sampled token
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # (token id, logprob), most likely first
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+    assert logits.shape == (batch.num_rows, batch.vocab_size), (tuple(logits.shape), batch.vocab_size)
+    if batch.no_processing:
+        return SamplerOutput(sampled_token_ids=logits.argmax(dim=-1).tolist())
+
+    # A private fp32 copy: the caller's logits stay intact and raw logprobs come from them.
+    logits = logits.to(torch.float32, copy=True)
+    raw_logprobs = logits.log_softmax(dim=-1) if batch.max_num_logprobs is not None else None
+    if batch.banned_rows is not None:
+        logits[batch.banned_rows, batch.banned_token_ids] = _NEG_INF
+    if batch.output_counts is not None:
+        logits = apply_penalties(logits, batch)
+
+    greedy_ids = None if batch.all_random else logits.argmax(dim=-1)
+    if batch.all_greedy:
+        token_ids = greedy_ids
+    else:
+        token_ids = _sample_random(logits, batch)
+        if batch.is_greedy is not None:
+            token_ids = torch.where(batch.is_greedy, greedy_ids, token_ids)
+
+    out = SamplerOutput(sampled_token_ids=token_ids.tolist())
+    if raw_logprobs is not None:
+        out.logprobs, out.ranks, out.top_logprobs = compute_logprobs(raw_logprobs, token_ids, batch.num_logprobs)
+    return out
+
+
+def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    counts = batch.output_counts
+    if batch.repetition_penalty is not None:
+        # HF / CTRL style: a seen token's logit moves towards "less likely" whatever its sign.
+        seen = batch.prompt_mask | (counts > 0)
+        penalty = torch.where(seen, batch.repetition_penalty, 1.0)
+        logits = torch.where(logits > 0, logits / penalty, logits * penalty)
+    if batch.frequency_penalty is not None:
+        logits = logits - batch.frequency_penalty * counts
+    if batch.presence_penalty is not None:
+        logits = logits - batch.presence_penalty * (counts > 0).float()
+    return logits
+
+
+def _sample_random(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    logits = logits / batch.temperature.unsqueeze(1)
+    if batch.top_k is not None or batch.top_p is not None:
+        logits = apply_top_k_top_p(logits, batch.top_k, batch.max_top_k, batch.top_p)
+    probs = logits.softmax(dim=-1)
+    if batch.min_p is not None:
+        # The race below is scale-invariant per row, so masked probs need no renormalization.
+        threshold = batch.min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
+        probs = probs.masked_fill(probs < threshold, 0.0)
+    q = torch.empty_like(probs)
+    if all(g is None for g in batch.generators):
+        q.exponential_()
+    else:
+        for i, g in enumerate(batch.generators):
+            q[i].exponential_(generator=g)
+    # exponential_ can return exactly 0; a zero would turn a masked 0/0 into NaN.
+    q.clamp_(min=torch.finfo(q.dtype).tiny)
+    return (probs / q).argmax(dim=-1)
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, max_top_k: int,
+                      top_p: torch.Tensor | None) -> torch.Tensor:
+    # top-k keeps every token tied with the k-th largest logit, like vLLM, so k=1 equals argmax
+    # unless the maximum is tied.
+    if top_p is None:
+        kth = logits.topk(max_top_k, dim=-1).values.gather(1, (top_k - 1).clamp(min=0).unsqueeze(1))
+        kth = kth.masked_fill(top_k.unsqueeze(1) == 0, _NEG_INF)
+        return logits.masked_fill(logits < kth, _NEG_INF)
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    if top_k is not None:
+        kth = sorted_logits.gather(1, (top_k - 1).clamp(min=0).unsqueeze(1))
+        kth = kth.masked_fill(top_k.unsqueeze(1) == 0, _NEG_INF)
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, _NEG_INF)
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    # Keep the smallest prefix reaching top_p: drop a token once the tokens before it already hold top_p.
+    # The first token has mass_before 0 < top_p, so every row keeps at least one token. Rows with
+    # top_p == 1 skip this entirely so rounding in the cumsum cannot drop their tail.
+    drop = (mass_before >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
+    sorted_logits = sorted_logits.masked_fill(drop, _NEG_INF)
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def compute_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: list[int | None]
+                     ) -> tuple[list[float], list[int], list[list[tuple[int, float]]]]:
+    # logprobs: [N, V] log_softmax rows; token_ids: [N] chosen tokens. Also serves prompt logprobs
+    # (rows = prompt positions, token_ids = the next prompt tokens).
+    chosen = logprobs.gather(1, token_ids.long().unsqueeze(1))
+    ranks = (logprobs >= chosen).sum(dim=-1)  # ties count against the token, as in vLLM
+    max_k = max((k for k in num_top if k is not None), default=0)
+    top_lists: list[list[tuple[int, float]]] = [[] for _ in num_top]
+    if max_k > 0:
+        values, indices = logprobs.topk(min(max_k, logprobs.shape[1]), dim=-1)
+        values, indices = values.tolist(), indices.tolist()
+        for i, k in enumerate(num_top):
+            if k:
+                top_lists[i] = list(zip(indices[i][:k], values[i][:k]))
+    return chosen.squeeze(1).tolist(), ranks.tolist(), top_lists

@@ -1,0 +1,133 @@
+"""Per-request sampling settings, with vLLM's field names and defaults so users switch by changing an import."""
+from __future__ import annotations
+
+import dataclasses
+import enum
+from dataclasses import dataclass
+
+# Below this temperature a request is greedy: dividing logits by ~0 would overflow, and the limit of
+# softmax(logits / t) as t -> 0 is argmax anyway.
+SAMPLING_EPS = 1e-5
+# Positive temperatures below this are raised to it (as vLLM does): logits / 1e-4 already make the softmax
+# a one-hot in fp32, and anything smaller only invites overflow.
+MIN_RANDOM_TEMPERATURE = 1e-2
+
+
+class SamplingType(enum.IntEnum):
+    GREEDY = 0
+    RANDOM = 1
+    RANDOM_SEED = 2
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    n: int = 1
+    best_of: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1 disables
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None  # normalized to list[str]
+    stop_token_ids: list[int] | None = None  # normalized to list[int]
+    ignore_eos: bool = False  # eos does not end the request; it can still be sampled
+    max_tokens: int | None = 16  # None: up to max_model_len, resolved by the engine
+    min_tokens: int = 0
+    logprobs: int | None = None  # number of top logprobs per generated token (plus the sampled one)
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        else:
+            self.stop = list(self.stop)
+        self.stop_token_ids = [] if self.stop_token_ids is None else [int(t) for t in self.stop_token_ids]
+        self._verify()
+        if 0.0 < self.temperature < MIN_RANDOM_TEMPERATURE:
+            self.temperature = MIN_RANDOM_TEMPERATURE
+        if self.is_greedy:
+            # Truncation cannot change an argmax; clearing it keeps greedy batches on the fast path.
+            self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+
+    def _verify(self) -> None:
+        if self.n < 1:
+            raise ValueError(f"n must be at least 1, got {self.n}")
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError(f"best_of must be greater than or equal to n, got n={self.n} and best_of={self.best_of}")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        if not self.repetition_penalty > 0.0:
+            raise ValueError(f"repetition_penalty must be greater than zero, got {self.repetition_penalty}")
+        if not self.temperature >= 0.0:
+            raise ValueError(f"temperature must be non-negative, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be 0 or -1 (disable), or at least 1, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be greater than or equal to 0, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, "
+                             f"got {self.min_tokens}")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise ValueError(f"logprobs must be non-negative, got {self.logprobs}")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            raise ValueError(f"prompt_logprobs must be non-negative, got {self.prompt_logprobs}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop cannot contain an empty string")
+        if self.temperature < SAMPLING_EPS and self.n > 1:
+            # n greedy samples would be n copies of one answer; vLLM rejects this too.
+            raise ValueError(f"n must be 1 when using greedy sampling, got {self.n}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < SAMPLING_EPS
+
+    @property
+    def sampling_type(self) -> SamplingType:
+        if self.is_greedy:
+            return SamplingType.GREEDY
+        return SamplingType.RANDOM if self.seed is None else SamplingType.RANDOM_SEED
+
+    @property
+    def top_k_enabled(self) -> bool:
+        return self.top_k >= 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+    def clone(self) -> SamplingParams:
+        return dataclasses.replace(self, stop=list(self.stop), stop_token_ids=list(self.stop_token_ids))
+
+
+@dataclass(slots=True)
+class BeamSearchParams:
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.beam_width < 1:
+            raise ValueError(f"beam_width must be at least 1, got {self.beam_width}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if not self.temperature >= 0.0:
+            raise ValueError(f"temperature must be non-negative, got {self.temperature}")

@@ -1,0 +1,16 @@
+"""Shared fixtures. tests/ is on sys.path (rootdir conftest, prepend mode), so helpers such as
+paged_metadata import by plain name from any test directory."""
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def embedded_model():
+    # The embedded SmolLM2 GGUF, loaded once per session in float32 on CPU. The first load in a fresh
+    # cache converts the GGUF (tens of seconds); later loads read the cached safetensors.
+    import torch
+
+    from pagedserve.model.loader import load_model
+
+    return load_model(None, device="cpu", dtype=torch.float32)
