@@ -1,5 +1,5 @@
-"""Shared fixtures. tests/ is on sys.path (rootdir conftest, prepend mode), so helpers such as
-paged_metadata import by plain name from any test directory."""
+"""Shared fixtures. Test helpers live beside this file (e.g. tests/paged_metadata.py) and import as
+`tests.<module>`."""
 from __future__ import annotations
 
 import pytest

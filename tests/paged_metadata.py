@@ -59,3 +59,33 @@ def chunk_schedule(chunks: list[list[int]]) -> list[list[tuple[int, int, int]]]:
                 done[i] += c[k]
         steps.append(step)
     return steps
+
+
+def run_paged_schedule(model, token_ids: list[list[int]], chunks: list[list[int]], block_size: int = 4,
+                       num_blocks: int | None = None, seed: int = 0) -> list[torch.Tensor]:
+    # Feeds each sequence's tokens through `model` (our forward/compute_logits API) following `chunks`
+    # (see chunk_schedule), all sequences of a step in one flattened batch, with a fresh paged cache on
+    # scattered blocks. Returns per-sequence logits for every position, [len(token_ids[i]), vocab].
+    from pagedserve.worker.kv_cache import allocate_kv_caches
+
+    assert [len(t) for t in token_ids] == [sum(c) for c in chunks]
+    lens = [len(t) for t in token_ids]
+    needed = sum(-(-n // block_size) for n in lens)
+    num_blocks = num_blocks or 2 * needed + 3
+    tables = scattered_block_tables(lens, block_size, num_blocks, seed=seed)
+    param = next(model.parameters())
+    caches = allocate_kv_caches(len(model.model.layers), num_blocks, block_size, model.num_kv_heads,
+                                model.head_dim, param.dtype, param.device)
+    logits: list[list[torch.Tensor]] = [[] for _ in token_ids]
+    with torch.inference_mode():
+        for step in chunk_schedule(chunks):
+            meta = build_attention_metadata([(c, q) for _, c, q in step], [tables[i] for i, _, _ in step],
+                                            block_size, device=param.device)
+            ids = torch.tensor([t for i, c, q in step for t in token_ids[i][c:c + q]], device=param.device)
+            pos = torch.tensor([p for _, c, q in step for p in range(c, c + q)], device=param.device)
+            out = model.compute_logits(model.forward(ids, pos, caches, meta))
+            at = 0
+            for i, _, q in step:
+                logits[i].append(out[at:at + q])
+                at += q
+    return [torch.cat(chunk) for chunk in logits]

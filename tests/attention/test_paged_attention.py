@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from paged_metadata import build_attention_metadata, chunk_schedule, scattered_block_tables
+from tests.paged_metadata import build_attention_metadata, chunk_schedule, scattered_block_tables
 from pagedserve.attention.backend import get_attention_backend
 
 BLOCK_SIZE = 4

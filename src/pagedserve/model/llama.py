@@ -112,6 +112,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, hf_config, attn_backend: AttentionBackend, *, device: torch.device | str | None = None,
                  dtype: torch.dtype | None = None) -> None:
         super().__init__()
+        device = torch.device("cpu") if device is None else torch.device(device)  # skip_init needs one
         self.config = hf_config
         self.model = LlamaModel(hf_config, attn_backend, device, dtype)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))

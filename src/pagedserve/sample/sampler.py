@@ -173,6 +173,12 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     return out
 
 
+class Sampler:
+    # Stateless; a class so the model runner can hold one (vLLM's shape) and later variants can keep buffers.
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        return sample(logits, batch)
+
+
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     counts = batch.output_counts
     if batch.repetition_penalty is not None:

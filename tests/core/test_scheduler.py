@@ -1,0 +1,133 @@
+import random
+from collections import Counter
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pagedserve.config import SchedulerConfig
+from pagedserve.core.kv_cache_manager import KVCacheManager
+from pagedserve.core.scheduler import Scheduler
+from pagedserve.core.scheduler_output import ModelRunnerOutput
+from pagedserve.engine.request import RequestStatus
+from tests.core.helpers import make_request
+
+
+def make_scheduler(num_blocks=16, block_size=4, max_num_seqs=8, budget=32, caching=True, max_model_len=1000):
+    kv = KVCacheManager(num_blocks, block_size, caching)
+    return Scheduler(SchedulerConfig(max_num_seqs, budget), kv, max_model_len)
+
+
+def fake_run(plan, token=7):
+    ids = [s.request.req_id for s in plan.scheduled if s.sample]
+    return ModelRunnerOutput(ids, [token] * len(ids))
+
+
+def test_chunked_prefill_then_decode_with_exact_plans():
+    sched = make_scheduler(budget=8)
+    sched.add_request(make_request("a", prompt_len=10, max_tokens=2))
+    sched.add_request(make_request("b", prompt_len=3, max_tokens=2))
+    p1 = sched.schedule()
+    assert [(s.request.req_id, len(s.token_ids), s.start_pos, s.block_ids, s.sample) for s in p1.scheduled] == \
+        [("a", 8, 0, [0, 1], False)]
+    sched.update(p1, fake_run(p1))
+    p2 = sched.schedule()
+    assert [(s.request.req_id, len(s.token_ids), s.start_pos, s.block_ids, s.sample) for s in p2.scheduled] == \
+        [("a", 2, 8, [0, 1, 2], True), ("b", 3, 0, [3], True)]
+    sched.update(p2, fake_run(p2))
+    p3 = sched.schedule()
+    assert [(s.request.req_id, s.token_ids, s.start_pos) for s in p3.scheduled] == [("a", [7], 10), ("b", [7], 3)]
+    finished = sched.update(p3, fake_run(p3))
+    assert all(r.status is RequestStatus.FINISHED_LENGTH for r in finished)
+    assert not sched.has_unfinished() and sched.kv.pool.num_free_blocks == 16
+
+
+def test_preempts_newest_by_recompute_and_resumes():
+    sched = make_scheduler(num_blocks=4, block_size=4, budget=64, caching=False)
+    a, b = make_request("a", 8, max_tokens=6), make_request("b", 8, max_tokens=6)
+    sched.add_request(a)
+    sched.add_request(b)
+    plan = sched.schedule()
+    assert [s.block_ids for s in plan.scheduled] == [[0, 1], [2, 3]]
+    sched.update(plan, fake_run(plan))      # 8 tokens computed, 9th (sampled) needs a new block
+    plan = sched.schedule()                  # a needs a 3rd block: b is preempted
+    assert plan.preempted_req_ids == ["b"]
+    assert [(s.request.req_id, s.block_ids) for s in plan.scheduled] == [("a", [0, 1, 3])]
+    assert b.status is RequestStatus.PREEMPTED and b.num_computed_tokens == 0 and b.output_token_ids == [7]
+    assert list(sched.waiting) == [b]
+    while sched.has_unfinished():
+        plan = sched.schedule()
+        sched.update(plan, fake_run(plan))
+    assert a.output_token_ids == [7] * 6 and b.output_token_ids == [7] * 6
+    assert sched.num_preemptions_total >= 1 and sched.kv.pool.num_free_blocks == 4
+
+
+def test_request_that_can_never_fit_is_rejected():
+    sched = make_scheduler(num_blocks=2, block_size=4)
+    with pytest.raises(ValueError, match="never fit"):
+        sched.add_request(make_request("a", prompt_len=6, max_tokens=3))
+
+
+def test_prefix_hits_skip_computed_tokens():
+    sched = make_scheduler(block_size=4, budget=64)
+    sched.add_request(make_request("a", prompt_len=9, max_tokens=1))
+    plan = sched.schedule()
+    sched.update(plan, fake_run(plan))
+    sched.add_request(make_request("b", prompt_len=9, max_tokens=1))
+    plan = sched.schedule()
+    [s] = plan.scheduled
+    assert (s.start_pos, len(s.token_ids), s.block_ids[:2]) == (8, 1, [0, 1])
+    assert s.request.num_cached_tokens == 8
+
+
+def check_invariants(sched):
+    pool = sched.kv.pool
+    owners = Counter(b.block_id for blocks in sched.kv.req_blocks.values() for b in blocks)
+    for block in pool.blocks:
+        assert block.ref_cnt == owners.get(block.block_id, 0)
+        assert (block.block_id in pool.free_queue) == (block.ref_cnt == 0)
+    for blocks in sched.kv.req_blocks.values():
+        assert len({b.block_id for b in blocks}) == len(blocks)  # never twice in one table
+    for h, block in pool.cached.items():
+        assert block.block_hash == h
+
+
+def drive(sched, rng, reqs, abort_prob):
+    pending = list(reqs)
+    while pending or sched.has_unfinished():
+        for _ in range(rng.randint(0, 4)):
+            if pending:
+                sched.add_request(pending.pop())
+        if sched.requests and rng.random() < abort_prob:
+            sched.finish_request(rng.choice(list(sched.requests)), RequestStatus.FINISHED_ABORTED)
+        plan = sched.schedule()
+        assert plan.num_batched_tokens <= sched.config.max_num_batched_tokens
+        assert len(sched.running) <= sched.config.max_num_seqs
+        sched.update(plan, fake_run(plan, token=rng.randint(3, 50)))
+        check_invariants(sched)
+    assert sched.kv.pool.num_free_blocks == sched.kv.num_blocks
+    assert not sched.kv.req_blocks
+
+
+def test_thousand_random_requests_return_every_block():
+    rng = random.Random(0)
+    sched = make_scheduler(num_blocks=24, block_size=4, max_num_seqs=6, budget=24)
+    reqs = [make_request(str(i), rng.randint(1, 40), rng.randint(1, 30), first_token=rng.choice([0, 0, 5, i]))
+            for i in range(1000)]
+    drive(sched, rng, reqs, abort_prob=0.05)
+    assert sched.num_preemptions_total > 0
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), num_blocks=st.integers(6, 30), block_size=st.sampled_from([1, 2, 4, 16]),
+       budget=st.integers(1, 40), caching=st.booleans())
+def test_random_schedules_keep_invariants(seed, num_blocks, block_size, budget, caching):
+    rng = random.Random(seed)
+    sched = make_scheduler(num_blocks, block_size, rng.randint(1, 5), budget, caching)
+    cap = num_blocks * block_size
+    reqs = []
+    for i in range(30):
+        max_tokens = rng.randint(1, max(1, cap // 3))
+        prompt_len = rng.randint(1, max(1, cap - max_tokens))
+        reqs.append(make_request(str(i), prompt_len, max_tokens, first_token=rng.choice([0, i])))
+    drive(sched, rng, reqs, abort_prob=0.1)

@@ -1,0 +1,83 @@
+"""Tiny random Llama / Mistral / Qwen2 models: our paged forward equals transformers' full forward."""
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from tests.paged_metadata import run_paged_schedule
+from pagedserve.attention.backend import get_attention_backend
+from pagedserve.model.registry import get_model_class, resolve_architecture
+
+TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=128, max_position_embeddings=256, rms_norm_eps=1e-6)
+
+CONFIGS = {
+    "llama": lambda: transformers.LlamaConfig(**TINY, tie_word_embeddings=False),
+    "llama-llama3-rope-bias": lambda: transformers.LlamaConfig(
+        **TINY, attention_bias=True, mlp_bias=True, tie_word_embeddings=False,
+        rope_parameters=dict(rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0,
+                             high_freq_factor=4.0, original_max_position_embeddings=16)),
+    "mistral-head-dim-32-yarn": lambda: transformers.MistralConfig(
+        **TINY, head_dim=32, tie_word_embeddings=False,
+        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                             original_max_position_embeddings=16)),
+    "qwen2-tied-linear-rope": lambda: transformers.Qwen2Config(
+        **TINY, tie_word_embeddings=True, rope_parameters=dict(rope_type="linear", rope_theta=10000.0, factor=2.0)),
+}
+
+SCHEDULES = {
+    # prompts of 7 and 10 tokens in one batch, then 4 decode steps
+    "prefill+decode": [[7, 1, 1, 1, 1], [10, 1, 1, 1, 1]],
+    # first prompt split in 2 chunks (second chunk runs next to the other's decode), then decode
+    "chunked-prefill": [[6, 5, 1, 1], [10, 1, 1, 1]],
+}
+
+
+def make_pair(name: str):
+    hf_config = CONFIGS[name]()
+    torch.manual_seed(0)
+    hf_model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32).eval()
+    with torch.no_grad():  # HF zero-inits biases and one-inits norms; randomize all so every weight matters
+        for pname, p in hf_model.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in pname else 0.1 * torch.randn_like(p))
+    cls = get_model_class(resolve_architecture(hf_config))
+    ours = cls(hf_config, get_attention_backend("reference"), dtype=torch.float32).eval()
+    ours.load_weights(hf_model.state_dict().items())
+    return hf_model, ours
+
+
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_logits_match_transformers(name: str, schedule: str) -> None:
+    hf_model, ours = make_pair(name)
+    chunks = SCHEDULES[schedule]
+    gen = torch.Generator().manual_seed(1)
+    token_ids = [torch.randint(0, 128, (sum(c),), generator=gen).tolist() for c in chunks]
+    got = run_paged_schedule(ours, token_ids, chunks, block_size=4)
+    with torch.no_grad():
+        for ids, g in zip(token_ids, got):
+            expected = hf_model(torch.tensor([ids])).logits[0]
+            assert g.shape == expected.shape
+            diff = (g - expected).abs().max().item()
+            assert diff < 1e-4, f"{name}/{schedule}: max abs diff {diff}"
+
+
+def test_load_weights_rejects_missing_and_unknown() -> None:
+    hf_model, ours = make_pair("llama")
+    state = dict(hf_model.state_dict())
+    state.pop("model.layers.1.self_attn.k_proj.weight")
+    with pytest.raises(ValueError, match="missing"):
+        ours.load_weights(state.items())
+    with pytest.raises(ValueError, match="no matching parameter"):
+        ours.load_weights([("model.layers.9.mlp.up_proj.weight", torch.zeros(96, 64))])
+    with pytest.raises(ValueError, match="shape"):
+        ours.load_weights([("model.norm.weight", torch.zeros(3))])
+
+
+def test_registry_rejects_unsupported() -> None:
+    with pytest.raises(ValueError, match="LlamaForCausalLM.*MistralForCausalLM.*Qwen2ForCausalLM"):
+        resolve_architecture(transformers.GPT2Config(architectures=["GPT2LMHeadModel"]))
+    with pytest.raises(ValueError, match="supported"):
+        get_model_class("GPT2LMHeadModel")
+    assert resolve_architecture(transformers.LlamaConfig()) == "LlamaForCausalLM"
