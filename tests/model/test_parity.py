@@ -20,7 +20,7 @@ CONFIGS = {
                              high_freq_factor=4.0, original_max_position_embeddings=16)),
     "mistral-head-dim-32-yarn": lambda: transformers.MistralConfig(
         **TINY, head_dim=32, tie_word_embeddings=False,
-        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=16.0,
                              original_max_position_embeddings=16)),
     "qwen2-tied-linear-rope": lambda: transformers.Qwen2Config(
         **TINY, tie_word_embeddings=True, rope_parameters=dict(rope_type="linear", rope_theta=10000.0, factor=2.0)),

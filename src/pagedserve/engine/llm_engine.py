@@ -146,7 +146,9 @@ class LLMEngine:
             if req.first_token_time is None:
                 req.first_token_time = now
             req.last_token_time = now
-            stop = seq.detok.update(req.output_token_ids[-1:])
+            # Finished-stopped here means eos or a stop token id; its text is left out as in vLLM.
+            by_token = req.status is RequestStatus.FINISHED_STOPPED
+            stop = seq.detok.update(req.output_token_ids[-1:], stop_terminated=by_token)
             if stop is not None and not req.status.is_finished:
                 req.stop_reason = stop
                 self.scheduler.finish_request(req.req_id, RequestStatus.FINISHED_STOPPED)
