@@ -10,6 +10,7 @@ from pagedserve.attention.backend import get_attention_backend
 
 BLOCK_SIZE = 4
 HEAD_DIM = 8
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
 
 # Per sequence, the tokens it runs in each step. Step 0 mixes prefills of different lengths (crossing block
 # boundaries) with a 1-token prompt; step 1 mixes chunked prefill with decode; the tail is pure decode.
@@ -33,24 +34,27 @@ def dense_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
 
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2), (6, 1)])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_paged_matches_dense(num_heads: int, num_kv_heads: int, seed: int) -> None:
+@pytest.mark.parametrize("device", DEVICES)
+def test_paged_matches_dense(num_heads: int, num_kv_heads: int, seed: int, device: str) -> None:
     gen = torch.Generator().manual_seed(seed)
     total_lens = [sum(c) for c in CHUNKS]
     scale = HEAD_DIM ** -0.5
     qs = [torch.randn(n, num_heads, HEAD_DIM, generator=gen) for n in total_lens]
     ks = [torch.randn(n, num_kv_heads, HEAD_DIM, generator=gen) for n in total_lens]
     vs = [torch.randn(n, num_kv_heads, HEAD_DIM, generator=gen) for n in total_lens]
+    qs, ks, vs = ([t.to(device) for t in ts] for ts in (qs, ks, vs))
     expected = [dense_causal(q, k, v, scale) for q, k, v in zip(qs, ks, vs)]
 
     num_blocks = 40
     tables = scattered_block_tables(total_lens, BLOCK_SIZE, num_blocks, seed=seed)
     # Stale garbage in the pool: anything read outside a sequence's valid slots would show up.
-    kv_cache = 100 * torch.randn(2, num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM, generator=gen)
+    kv_cache = 100 * torch.randn(2, num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM, generator=gen).to(device)
     backend = get_attention_backend("reference")
     got = [torch.full_like(e, float("nan")) for e in expected]
 
     for step in chunk_schedule(CHUNKS):
-        meta = build_attention_metadata([(c, q) for _, c, q in step], [tables[i] for i, _, _ in step], BLOCK_SIZE)
+        meta = build_attention_metadata([(c, q) for _, c, q in step], [tables[i] for i, _, _ in step], BLOCK_SIZE,
+                                        device=device)
         q = torch.cat([qs[i][c:c + n] for i, c, n in step])
         k = torch.cat([ks[i][c:c + n] for i, c, n in step])
         v = torch.cat([vs[i][c:c + n] for i, c, n in step])

@@ -26,6 +26,8 @@ CONFIGS = {
         **TINY, tie_word_embeddings=True, rope_parameters=dict(rope_type="linear", rope_theta=10000.0, factor=2.0)),
 }
 
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
+
 SCHEDULES = {
     # prompts of 7 and 10 tokens in one batch, then 4 decode steps
     "prefill+decode": [[7, 1, 1, 1, 1], [10, 1, 1, 1, 1]],
@@ -34,30 +36,31 @@ SCHEDULES = {
 }
 
 
-def make_pair(name: str):
+def make_pair(name: str, device: str = "cpu"):
     hf_config = CONFIGS[name]()
     torch.manual_seed(0)
-    hf_model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32).eval()
+    hf_model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32).to(device).eval()
     with torch.no_grad():  # HF zero-inits biases and one-inits norms; randomize all so every weight matters
         for pname, p in hf_model.named_parameters():
             p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in pname else 0.1 * torch.randn_like(p))
     cls = get_model_class(resolve_architecture(hf_config))
-    ours = cls(hf_config, get_attention_backend("reference"), dtype=torch.float32).eval()
+    ours = cls(hf_config, get_attention_backend("reference"), device=device, dtype=torch.float32).eval()
     ours.load_weights(hf_model.state_dict().items())
     return hf_model, ours
 
 
 @pytest.mark.parametrize("schedule", list(SCHEDULES))
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_logits_match_transformers(name: str, schedule: str) -> None:
-    hf_model, ours = make_pair(name)
+@pytest.mark.parametrize("device", DEVICES)
+def test_logits_match_transformers(name: str, schedule: str, device: str) -> None:
+    hf_model, ours = make_pair(name, device)
     chunks = SCHEDULES[schedule]
     gen = torch.Generator().manual_seed(1)
     token_ids = [torch.randint(0, 128, (sum(c),), generator=gen).tolist() for c in chunks]
     got = run_paged_schedule(ours, token_ids, chunks, block_size=4)
     with torch.no_grad():
         for ids, g in zip(token_ids, got):
-            expected = hf_model(torch.tensor([ids])).logits[0]
+            expected = hf_model(torch.tensor([ids], device=device)).logits[0]
             assert g.shape == expected.shape
             diff = (g - expected).abs().max().item()
             assert diff < 1e-4, f"{name}/{schedule}: max abs diff {diff}"

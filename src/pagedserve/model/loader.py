@@ -15,11 +15,13 @@ import glob
 import hashlib
 import importlib.util
 import json
+import logging
 import os
 import shutil
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -27,6 +29,10 @@ from torch import nn
 from pagedserve.attention.backend import get_attention_backend
 from pagedserve.model.registry import get_model_class, resolve_architecture
 
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedTokenizerFast
+
+logger = logging.getLogger(__name__)
 GGUF_MAGIC = b"GGUF"
 # llama.cpp architecture names we can serve; Mistral GGUFs use "llama".
 _GGUF_ARCHITECTURES = ("llama", "qwen2")
@@ -46,8 +52,8 @@ _GGUF_SKIPPED = ("rope_freqs.weight",)
 @dataclass(slots=True)
 class LoadedModel:
     model: nn.Module
-    hf_config: object
-    tokenizer: object  # a transformers PreTrainedTokenizerFast
+    hf_config: PretrainedConfig
+    tokenizer: PreTrainedTokenizerFast
     chat_template: str | None
     eos_token_ids: list[int]
     max_model_len: int
@@ -78,7 +84,7 @@ def load_model(path: str | None = None, device: str | torch.device = "cpu",
         return _load_hf_dir(path, os.path.basename(path.rstrip(os.sep)), device, dtype, attn_backend)
     with open(path, "rb") as f:
         if f.read(4) != GGUF_MAGIC:
-            raise ValueError(f"{path} is neither a GGUF file (bad magic) nor a model directory")
+            raise ValueError(f"{path} is not a GGUF file (bad magic bytes) and not a model directory")
     name = os.path.splitext(os.path.basename(path))[0]
     cache_dir = _cache_dir_for(path, name)
     if not _is_complete(cache_dir):
@@ -176,6 +182,7 @@ def _convert_gguf(path: str, cache_dir: str) -> None:
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoTokenizer
 
+    logger.info("converting %s into %s (one-time; later loads read the cache)", path, cache_dir)
     reader = _open_gguf(path)
     arch_field = reader.fields.get("general.architecture")
     arch = arch_field.contents() if arch_field is not None else None
@@ -232,10 +239,11 @@ def _gguf_state_dict(reader, arch: str, hf_config, path: str) -> dict[str, torch
         if hf_name is None:
             raise ValueError(f"unexpected tensor {tensor.name!r} in GGUF {path}")
         try:
-            weight = torch.from_numpy(dequantize(tensor.data, tensor.tensor_type).astype("float32", copy=False))
+            weight = torch.from_numpy(dequantize(tensor.data, tensor.tensor_type).astype("float32"))  # owned copy
         except Exception as e:  # noqa: BLE001
             raise ValueError(f"cannot dequantize {tensor.name} ({tensor.tensor_type.name}) in {path}: {e}") from e
-        if arch == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+        # llama.cpp permutes q/k rows (weights and, when present, biases) for its "llama" arch only.
+        if arch == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")):
             weight = unpermute_qk(weight, num_heads if "q_proj" in hf_name else num_kv_heads)
         state[hf_name] = weight.contiguous()
     return state

@@ -1,0 +1,120 @@
+"""Prometheus export with vLLM's metric names, under the prefix "pagedserve:" or "vllm:".
+
+With --metrics-prefix vllm the series are named exactly as vLLM's, so existing dashboards and autoscalers
+read them unchanged. Each server gets its own CollectorRegistry (no global state: tests run several servers).
+
+Where the numbers come from:
+- Gauges and counters are read at scrape time from the async engine's snapshot, which the engine thread takes
+  after every step and command batch. Totals therefore live in one place (EngineStats / SchedulerStats).
+- Histograms are observed when a sequence finishes (EngineStats.on_finished, on the engine thread). Aborted
+  sequences are counted in request_success_total{finished_reason="abort"} but observe no latencies.
+- inter_token_latency_seconds: the engine keeps only first/last token times per sequence, so a finished
+  sequence observes its mean gap (last - first) / (tokens - 1), once per gap. _sum and _count equal what
+  per-token observation gives; only the spread across buckets within one sequence is flattened.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from pagedserve.metrics.stats import RequestStats
+
+PREFIXES = ("pagedserve", "vllm")
+
+# vLLM's buckets, so histogram_quantile() panels look the same.
+_TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+_ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0]
+_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                    240.0, 480.0, 960.0, 1920.0, 7680.0]
+_FINISH_REASONS = ("stop", "length", "abort")
+
+
+class _SnapshotCollector:
+    def __init__(self, engine, model_name: str, prefix: str) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.prefix = prefix
+
+    def collect(self) -> Iterable[Metric]:
+        p, model = self.prefix, [self.model_name]
+        snap = self.engine.snapshot
+        sched = snap.scheduler
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(f"{p}:{name}", doc, labels=["model_name"])
+            g.add_metric(model, value)
+            return g
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(f"{p}:{name}", doc, labels=["model_name"])
+            c.add_metric(model, value)
+            return c
+
+        yield gauge("num_requests_running", "Number of sequences in the running batch.",
+                    sched.num_running if sched else 0)
+        yield gauge("num_requests_waiting", "Number of sequences waiting to be scheduled.",
+                    sched.num_waiting if sched else 0)
+        yield gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+                    sched.kv_cache_usage if sched else 0.0)
+        yield counter("num_preemptions_total", "Cumulative number of preemptions.",
+                      sched.num_preemptions_total if sched else 0)
+        yield counter("prompt_tokens_total", "Number of prefill tokens computed (prefix-cache hits excluded).",
+                      snap.num_prompt_tokens_total)
+        yield counter("generation_tokens_total", "Number of generated tokens.",
+                      snap.num_generation_tokens_total)
+        yield counter("prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.",
+                      sched.prefix_cache_queries if sched else 0)
+        yield counter("prefix_cache_hits_total", "Prompt tokens found in the prefix cache.",
+                      sched.prefix_cache_hits if sched else 0)
+        success = CounterMetricFamily(f"{p}:request_success_total", "Count of finished sequences by reason.",
+                                      labels=["model_name", "finished_reason"])
+        for reason in _FINISH_REASONS:
+            value = snap.num_aborted if reason == "abort" else snap.finished_by_reason.get(reason, 0)
+            success.add_metric([self.model_name, reason], value)
+        yield success
+        info = GaugeMetricFamily(f"{p}:cache_config_info", "Information of the KV cache configuration.",
+                                 labels=["block_size", "num_gpu_blocks"])
+        info.add_metric([str(self.engine.block_size), str(self.engine.num_kv_blocks)], 1)
+        yield info
+
+
+class PrometheusMetrics:
+    def __init__(self, engine, model_name: str, prefix: str = "pagedserve") -> None:
+        if prefix not in PREFIXES:
+            raise ValueError(f"metrics prefix must be one of {PREFIXES}, got {prefix!r}")
+        self.registry = CollectorRegistry()
+        self.registry.register(_SnapshotCollector(engine, model_name, prefix))
+
+        def histogram(name: str, doc: str, buckets: list[float]) -> Histogram:
+            h = Histogram(f"{prefix}:{name}", doc, ["model_name"], buckets=buckets, registry=self.registry)
+            return h.labels(model_name)
+
+        self.ttft = histogram("time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                              _TTFT_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                             _ITL_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds",
+                             "Histogram of end to end request latency in seconds.", _LATENCY_BUCKETS)
+        self.queue_time = histogram("request_queue_time_seconds",
+                                    "Histogram of time spent waiting to be scheduled, in seconds.",
+                                    _LATENCY_BUCKETS)
+        engine.add_finished_callback(self.on_finished)
+
+    def on_finished(self, rs: RequestStats) -> None:  # engine thread; prometheus_client is thread-safe
+        if rs.ttft is not None:
+            self.ttft.observe(rs.ttft)
+        if rs.queue_time is not None:
+            self.queue_time.observe(rs.queue_time)
+        if rs.e2e_latency is not None:
+            self.e2e.observe(rs.e2e_latency)
+        itl = rs.mean_inter_token_latency
+        if itl is not None:
+            for _ in range(rs.num_generation_tokens - 1):
+                self.itl.observe(itl)
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -1,0 +1,287 @@
+"""OpenAI request and response bodies (pydantic), with OpenAI's field names plus vLLM's sampling extras."""
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from pagedserve.sampling_params import SamplingParams
+
+# vLLM's default --max-logprobs; OpenAI allows at most 5 (completions) and 20 (chat).
+MAX_LOGPROBS = 20
+
+
+class OpenAIBaseModel(BaseModel):
+    # Unknown fields are ignored, as OpenAI and vLLM do, so newer clients keep working.
+    model_config = ConfigDict(extra="ignore")
+
+
+class ErrorInfo(OpenAIBaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(OpenAIBaseModel):
+    error: ErrorInfo
+
+
+class StreamOptions(OpenAIBaseModel):
+    include_usage: bool = False
+
+
+class _SamplingRequest(OpenAIBaseModel):
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    logit_bias: dict[str, float] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+    @model_validator(mode="after")
+    def _check_common(self) -> Any:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        if self.logit_bias:
+            raise ValueError("logit_bias is not supported")
+        return self
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def to_sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        # Absent fields take SamplingParams' defaults (vLLM's), not OpenAI's null.
+        def given(**kwargs: Any) -> dict[str, Any]:
+            return {k: v for k, v in kwargs.items() if v is not None}
+
+        return SamplingParams(
+            n=self.n, max_tokens=max_tokens, logprobs=logprobs, min_tokens=self.min_tokens,
+            ignore_eos=self.ignore_eos, stop=self.stop, stop_token_ids=self.stop_token_ids,
+            skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            **given(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+                    seed=self.seed, presence_penalty=self.presence_penalty,
+                    frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty))
+
+
+class CompletionRequest(_SamplingRequest):
+    # Smart-mode union: a list of ints is token ids, a list of lists is a batch of token-id prompts.
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @model_validator(mode="after")
+    def _check_completion(self) -> CompletionRequest:
+        if isinstance(self.prompt, list) and not self.prompt:
+            raise ValueError("prompt must not be empty")
+        if self.suffix:
+            raise ValueError("suffix is not supported")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of different from n is not supported")
+        if self.echo and self.logprobs is not None:
+            raise ValueError("echo with logprobs needs prompt logprobs, which this server does not compute")
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if isinstance(p[0], int):
+            return [p]
+        return list(p)
+
+
+class TextContentPart(OpenAIBaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(OpenAIBaseModel):
+    role: str
+    content: str | list[TextContentPart] | None = None
+    name: str | None = None
+
+    def to_template_dict(self) -> dict[str, Any]:
+        content = self.content
+        if isinstance(content, list):
+            content = "\n".join(part.text for part in content)
+        msg: dict[str, Any] = {"role": self.role, "content": content or ""}
+        if self.name is not None:
+            msg["name"] = self.name
+        return msg
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _check_chat(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs to be true")
+        return self
+
+
+# ---- responses ---------------------------------------------------------------------------------------------
+
+class UsageInfo(OpenAIBaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class CompletionLogprobs(OpenAIBaseModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionChoice(OpenAIBaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(OpenAIBaseModel):
+    id: str
+    object: str = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class CompletionStreamResponse(CompletionResponse):
+    pass
+
+
+class ChatTopLogprob(OpenAIBaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatLogprobEntry(ChatTopLogprob):
+    top_logprobs: list[ChatTopLogprob] = Field(default_factory=list)
+
+
+class ChatChoiceLogprobs(OpenAIBaseModel):
+    content: list[ChatLogprobEntry] | None = None
+
+
+class ChatResponseMessage(OpenAIBaseModel):
+    role: str = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(OpenAIBaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(OpenAIBaseModel):
+    id: str
+    object: str = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(OpenAIBaseModel):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatStreamChoice(OpenAIBaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionStreamResponse(OpenAIBaseModel):
+    id: str
+    object: str = "chat.completion.chunk"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None
+
+
+# ---- models, tokenizer -------------------------------------------------------------------------------------
+
+class ModelCard(OpenAIBaseModel):
+    id: str
+    object: str = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "pagedserve"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(OpenAIBaseModel):
+    object: str = "list"
+    data: list[ModelCard]
+
+
+class TokenizeRequest(OpenAIBaseModel):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt or messages")
+        return self
+
+
+class TokenizeResponse(OpenAIBaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeRequest(OpenAIBaseModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(OpenAIBaseModel):
+    prompt: str

@@ -1,0 +1,141 @@
+"""POST /v1/chat/completions: messages through the model's chat template, answers streamed or whole."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from pagedserve.engine.async_engine import EngineClosedError, OutputStream
+from pagedserve.outputs import Logprob, RequestOutput
+from pagedserve.server.context import ServerContext, random_id, usage_of
+from pagedserve.server.errors import OpenAIError
+from pagedserve.server.protocol import (ChatChoice, ChatChoiceLogprobs, ChatCompletionRequest,
+                                        ChatCompletionResponse, ChatCompletionStreamResponse,
+                                        ChatLogprobEntry, ChatResponseMessage, ChatStreamChoice,
+                                        ChatTopLogprob, DeltaMessage)
+from pagedserve.server.streaming import SSE_DONE, SSEResponse, sse, unless_disconnected
+
+
+def chat_prompt(messages: list[dict[str, Any]], add_generation_prompt: bool):
+    # Runs on the engine thread (see AsyncLLMEngine.add_requests). Same steps as LLM.chat, so a greedy chat
+    # request here answers exactly as offline: the template holds the special tokens, so none are added.
+    def render(engine: Any) -> dict[str, list[int]]:
+        text = engine.processor.apply_chat_template(messages, None, add_generation_prompt)
+        return {"prompt_token_ids": engine.tokenizer.encode(text, add_special_tokens=False)}
+
+    return render
+
+
+def chat_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]], num_top: int) -> ChatChoiceLogprobs:
+    content = []
+    for token_id, entry in zip(token_ids, entries):
+        sampled = entry.get(token_id)
+        if sampled is None:
+            continue
+        ranked = sorted(entry.items(), key=lambda kv: (kv[1].rank is None, kv[1].rank or 0, -kv[1].logprob))
+        top = [_top(lp) for _, lp in ranked[:num_top]]
+        token = sampled.decoded_token or ""
+        content.append(ChatLogprobEntry(token=token, logprob=sampled.logprob, bytes=list(token.encode()),
+                                        top_logprobs=top))
+    return ChatChoiceLogprobs(content=content)
+
+
+def _top(lp: Logprob) -> ChatTopLogprob:
+    token = lp.decoded_token or ""
+    return ChatTopLogprob(token=token, logprob=lp.logprob, bytes=list(token.encode()))
+
+
+@dataclass(slots=True)
+class _ChoiceState:
+    num_chars: int = 0
+    num_tokens: int = 0
+    done: bool = False
+
+
+class OpenAIServingChat:
+    def __init__(self, ctx: ServerContext) -> None:
+        self.ctx = ctx
+
+    async def create(self, req: ChatCompletionRequest, raw_request: Request) -> Response:
+        self.ctx.check_model(req.model)
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        num_top = req.top_logprobs or 0
+        params = req.to_sampling_params(max_tokens, num_top if req.logprobs else None)
+        messages = [m.to_template_dict() for m in req.messages]
+        request_id = random_id("chatcmpl")
+        stream = await self.ctx.engine.add_request(request_id, chat_prompt(messages, req.add_generation_prompt),
+                                                   params)
+        created = int(time.time())
+        if req.stream:
+            return SSEResponse(self._stream(req, stream, request_id, created), on_close=stream.close)
+        try:
+            final = await unless_disconnected(raw_request, _last(stream))
+        finally:
+            stream.close()
+        choices = []
+        for c in final.outputs:
+            logprobs = None
+            if req.logprobs and c.logprobs is not None:
+                logprobs = chat_logprobs(c.token_ids, c.logprobs[:len(c.token_ids)], num_top)
+            choices.append(ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
+                                      logprobs=logprobs, finish_reason=c.finish_reason,
+                                      stop_reason=c.stop_reason))
+        body = ChatCompletionResponse(id=request_id, created=created, model=self.ctx.model_name,
+                                      choices=choices, usage=usage_of([final]))
+        return JSONResponse(body.model_dump())
+
+    async def _stream(self, req: ChatCompletionRequest, stream: OutputStream, request_id: str,
+                      created: int) -> AsyncIterator[str]:
+        model = self.ctx.model_name
+        num_top = req.top_logprobs or 0
+
+        def chunk(choice: ChatStreamChoice) -> str:
+            return sse(ChatCompletionStreamResponse(id=request_id, created=created, model=model,
+                                                    choices=[choice]))
+
+        try:
+            # As OpenAI does, each choice opens with the assistant role and empty content.
+            for i in range(req.n):
+                yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content="")))
+            states = [_ChoiceState() for _ in range(req.n)]
+            last: RequestOutput | None = None
+            async for out in stream:
+                last = out
+                for c in out.outputs:
+                    st = states[c.index]
+                    if st.done:
+                        continue
+                    text = c.text[st.num_chars:]
+                    new_tokens = c.token_ids[st.num_tokens:]
+                    want_logprobs = req.logprobs and c.logprobs is not None
+                    if not text and c.finish_reason is None and not (want_logprobs and new_tokens):
+                        continue
+                    logprobs = None
+                    if want_logprobs:
+                        logprobs = chat_logprobs(new_tokens, c.logprobs[st.num_tokens:len(c.token_ids)], num_top)
+                    st.num_chars, st.num_tokens, st.done = len(c.text), len(c.token_ids), c.finish_reason is not None
+                    yield chunk(ChatStreamChoice(index=c.index, delta=DeltaMessage(content=text),
+                                                 logprobs=logprobs, finish_reason=c.finish_reason,
+                                                 stop_reason=c.stop_reason))
+            if req.include_usage and last is not None:
+                yield sse(ChatCompletionStreamResponse(id=request_id, created=created, model=model, choices=[],
+                                                       usage=usage_of([last])))
+        except EngineClosedError as exc:
+            yield OpenAIError(str(exc), 503).sse_payload()
+        except Exception as exc:  # noqa: BLE001 (the response has started; report in-band)
+            yield OpenAIError(str(exc), 500).sse_payload()
+        finally:
+            stream.close()
+        yield SSE_DONE
+
+
+async def _last(stream: OutputStream) -> RequestOutput:
+    last = None
+    async for out in stream:
+        last = out
+    if last is None:
+        raise RuntimeError("the request ended without output")
+    return last
