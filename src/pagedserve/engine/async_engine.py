@@ -227,13 +227,15 @@ class AsyncLLMEngine:
     def _run(self) -> None:
         engine = self.engine
         while True:
+            # Clear before draining: a command queued after the drain sets the event again, so the waits
+            # below cannot sleep through it.
+            self._wakeup.clear()
             self._run_commands()
             if self._closed:
                 break
             if not engine.has_unfinished_requests():
                 self._take_snapshot()
                 self._wakeup.wait()
-                self._wakeup.clear()  # commands queued before this clear are run at the top of the loop
                 continue
             try:
                 outputs = engine.step()

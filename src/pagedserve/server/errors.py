@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-from http import HTTPStatus
 
 from fastapi.responses import JSONResponse
 
@@ -34,10 +33,3 @@ class OpenAIError(Exception):
     def sse_payload(self) -> str:
         # Mid-stream errors travel as one more SSE event; the openai client raises APIError on it.
         return f"data: {json.dumps(self.body().model_dump())}\n\n"
-
-
-def status_phrase(status_code: int) -> str:
-    try:
-        return HTTPStatus(status_code).phrase
-    except ValueError:
-        return "Error"

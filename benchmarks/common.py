@@ -1,0 +1,92 @@
+"""Shared by the benchmark scripts: synthetic workloads, machine description, JSON output."""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import random
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class SyntheticRequest:
+    prompt_token_ids: list[int]
+    max_tokens: int
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+
+def allowed_token_ids(tokenizer, vocab_size: int) -> list[int]:
+    # Random ids from the vocab minus special tokens (BOS/EOS/chat markers), so prompt lengths are exact
+    # and no prompt contains an end-of-text marker.
+    special = set(tokenizer.all_special_ids)
+    return [t for t in range(min(vocab_size, len(tokenizer))) if t not in special]
+
+
+def synthetic_requests(num_prompts: int, input_len: tuple[int, int], output_len: tuple[int, int],
+                       token_ids: list[int], seed: int) -> list[SyntheticRequest]:
+    # Lengths are uniform over the inclusive ranges; one seeded RNG makes the workload reproducible.
+    rng = random.Random(seed)
+    reqs = []
+    for _ in range(num_prompts):
+        n_in = rng.randint(*input_len)
+        n_out = rng.randint(*output_len)
+        reqs.append(SyntheticRequest([rng.choice(token_ids) for _ in range(n_in)], n_out))
+    return reqs
+
+
+def describe_workload(reqs: list[SyntheticRequest], **extra) -> dict:
+    n_in = [r.num_prompt_tokens for r in reqs]
+    n_out = [r.max_tokens for r in reqs]
+    return {"num_prompts": len(reqs), "total_prompt_tokens": sum(n_in), "total_output_tokens": sum(n_out),
+            "mean_prompt_len": sum(n_in) / len(reqs), "mean_output_len": sum(n_out) / len(reqs), **extra}
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def machine_info() -> dict:
+    import torch
+    import transformers
+
+    import pagedserve
+
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpu_model": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "load_avg_1_5_15": list(os.getloadavg()),
+        "torch": torch.__version__,
+        "torch_num_threads": torch.get_num_threads(),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "transformers": transformers.__version__,
+        "pagedserve": pagedserve.__version__,
+    }
+
+
+def engine_config_dict(engine) -> dict:
+    cfg = asdict(engine.config)
+    cfg["resolved"] = {"max_model_len": engine.max_model_len, "num_kv_blocks": engine.kv.num_blocks,
+                       "block_size": engine.kv.block_size,
+                       "kv_capacity_tokens": engine.kv.num_blocks * engine.kv.block_size}
+    return cfg
+
+
+def write_json(path: str, data: dict) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=2)
+        f.write("\n")
