@@ -44,6 +44,7 @@ class BlockPool:
         self.free_queue: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
         self.cached: dict[BlockHash, KVBlock] = {}
         self.num_evictions = 0
+        self.num_shared_blocks = 0  # blocks with ref_cnt > 1, kept incrementally for metrics
 
     @property
     def num_free_blocks(self) -> int:
@@ -76,6 +77,8 @@ class BlockPool:
             if block.ref_cnt == 0:
                 del self.free_queue[block.block_id]
             block.ref_cnt += 1
+            if block.ref_cnt == 2:
+                self.num_shared_blocks += 1
 
     def free(self, blocks: list[KVBlock]) -> None:
         # Callers pass a sequence's blocks tail first, so its last blocks (least likely to be shared) are
@@ -83,6 +86,8 @@ class BlockPool:
         for block in blocks:
             block.ref_cnt -= 1
             assert block.ref_cnt >= 0, f"block {block.block_id} freed twice"
+            if block.ref_cnt == 1:
+                self.num_shared_blocks -= 1
             if block.ref_cnt == 0:
                 self.free_queue[block.block_id] = block
 

@@ -5,8 +5,12 @@ A request's block table covers its computed tokens plus the tokens scheduled thi
     tokens:  |<----- num_computed ----->|<-- num_new -->|
     blocks:  [ b0 ][ b1 ][ b2 ][ b3 (partly filled) ....]
 
-Full blocks are registered in the prefix cache once their tokens are computed. Only full blocks are ever
-shared, so no write ever lands in a block that another sequence reads.
+Full blocks are registered in the prefix cache once their tokens are computed. Forked sequences (parallel
+samples) also share a partly filled block; the first sequence to write into a block whose ref_cnt > 1 gets
+a private copy first (copy-on-write), so no write ever lands in a block that another sequence reads.
+
+Swapping moves a preempted request's blocks to a host pool and back; the copies to run are queued as
+(src, dst) pairs and drained into the next SchedulerOutput.
 """
 from __future__ import annotations
 
@@ -26,11 +30,29 @@ class PrefixCacheStats:
     num_hits: int = 0      # of which served from the cache
 
 
+@dataclass(slots=True)
+class BlockOps:
+    # Copies the runner performs before the step's forward pass, in this order.
+    swap_out: list[tuple[int, int]]   # (device block, host block)
+    swap_in: list[tuple[int, int]]    # (host block, device block)
+    copy: list[tuple[int, int]]       # (src device block, dst device block), copy-on-write
+
+    def __bool__(self) -> bool:
+        return bool(self.swap_out or self.swap_in or self.copy)
+
+
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 num_host_blocks: int = 0) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
+        self.host_pool = BlockPool(num_host_blocks, False) if num_host_blocks else None
+        self.swapped: dict[str, list[KVBlock]] = {}
+        self._ops = BlockOps([], [], [])
+        self.num_cow_copies = 0
+        self.num_swapped_out_blocks = 0
+        self.num_swapped_in_blocks = 0
         self.req_blocks: dict[str, list[KVBlock]] = {}
         self.req_hashes: dict[str, list[BlockHash]] = {}
         self.num_cached_blocks: dict[str, int] = {}
@@ -79,17 +101,68 @@ class KVCacheManager:
         computed_blocks = computed_blocks or []
         blocks = self.req_blocks.setdefault(req.req_id, [])
         num_tokens = req.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
-        num_needed = cdiv(num_tokens, self.block_size) - len(blocks) - len(computed_blocks)
+        num_needed = max(cdiv(num_tokens, self.block_size) - len(blocks) - len(computed_blocks), 0)
+        # The first write lands in block write_idx; if another sequence shares it, it is copied first.
+        write_idx = req.num_computed_tokens // self.block_size
+        cow = not computed_blocks and write_idx < len(blocks) and blocks[write_idx].ref_cnt > 1
         # Hit blocks that sit in the free queue stop being allocatable once we take them.
         num_free_hits = sum(1 for b in computed_blocks if b.ref_cnt == 0)
-        if num_needed > self.pool.num_free_blocks - num_free_hits:
+        if num_needed + cow > self.pool.num_free_blocks - num_free_hits:
             return None
+        if cow:
+            [copy] = self.pool.allocate(1)
+            self._ops.copy.append((blocks[write_idx].block_id, copy.block_id))
+            self.pool.free([blocks[write_idx]])
+            blocks[write_idx] = copy
+            self.num_cow_copies += 1
         self.pool.touch(computed_blocks)
         blocks.extend(computed_blocks)
-        new_blocks = self.pool.allocate(max(num_needed, 0))
+        new_blocks = self.pool.allocate(num_needed)
         blocks.extend(new_blocks)
         self.num_cached_blocks.setdefault(req.req_id, len(computed_blocks))
         return [b.block_id for b in new_blocks]
+
+    def fork(self, src: Request, dst: Request, num_tokens: int) -> None:
+        """dst shares src's blocks holding its first num_tokens tokens (dst's own tokens are the same)."""
+        shared = self.req_blocks[src.req_id][:cdiv(num_tokens, self.block_size)]
+        self.pool.touch(shared)
+        self.req_blocks[dst.req_id] = list(shared)
+        self.num_cached_blocks[dst.req_id] = min(self.num_cached_blocks.get(src.req_id, 0),
+                                                 num_tokens // self.block_size)
+
+    def can_swap_out(self, req: Request) -> bool:
+        return (self.host_pool is not None
+                and len(self.req_blocks.get(req.req_id, ())) <= self.host_pool.num_free_blocks)
+
+    def swap_out(self, req: Request) -> None:
+        blocks = self.req_blocks.pop(req.req_id)
+        host = self.host_pool.allocate(len(blocks))
+        self._ops.swap_out.extend((d.block_id, h.block_id) for d, h in zip(blocks, host))
+        self.pool.free(list(reversed(blocks)))
+        self.num_cached_blocks.pop(req.req_id, None)
+        self.swapped[req.req_id] = host
+        self.num_swapped_out_blocks += len(host)
+
+    def is_swapped(self, req: Request) -> bool:
+        return req.req_id in self.swapped
+
+    def swap_in(self, req: Request, num_new_tokens: int) -> list[int] | None:
+        host = self.swapped[req.req_id]
+        num_needed = cdiv(req.num_computed_tokens + num_new_tokens, self.block_size)
+        if num_needed > self.pool.num_free_blocks:
+            return None
+        blocks = self.pool.allocate(num_needed)
+        self._ops.swap_in.extend((h.block_id, d.block_id) for h, d in zip(host, blocks))
+        self.host_pool.free(host)
+        del self.swapped[req.req_id]
+        self.req_blocks[req.req_id] = blocks
+        self.num_cached_blocks[req.req_id] = 0
+        self.num_swapped_in_blocks += len(host)
+        return [b.block_id for b in blocks]
+
+    def take_block_ops(self) -> BlockOps:
+        ops, self._ops = self._ops, BlockOps([], [], [])
+        return ops
 
     def cache_blocks(self, req: Request) -> None:
         # Register blocks that became full with computed tokens.
@@ -108,6 +181,9 @@ class KVCacheManager:
     def free(self, req: Request, finished: bool = True) -> None:
         blocks = self.req_blocks.pop(req.req_id, [])
         self.pool.free(list(reversed(blocks)))
+        host = self.swapped.pop(req.req_id, None)
+        if host:
+            self.host_pool.free(host)
         self.num_cached_blocks.pop(req.req_id, None)
         if finished:
             self.req_hashes.pop(req.req_id, None)

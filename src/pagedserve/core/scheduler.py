@@ -1,8 +1,12 @@
 """Continuous batching: every step, running requests first, then waiting ones, under a token budget.
 
 Each scheduled request catches its num_computed_tokens up towards num_tokens by at most the remaining
-budget (chunked prefill). When the pool is short the newest running request is preempted by recompute:
-its blocks are freed, its tokens kept, and it goes back to the front of the waiting queue.
+budget (chunked prefill). When the pool is short the newest running request is preempted: by recompute
+(blocks freed, tokens kept, computed again later) or, with preemption_mode="swap" and room in the host
+pool, by swapping its blocks out and back in. Either way it goes back to the front of the waiting queue.
+
+Parallel samples of one prompt are forks: the first sample prefills the prompt; the others wait until it
+has, then share its blocks (the last, partly filled one copy-on-write) and compute only the last token.
 """
 from __future__ import annotations
 
@@ -16,10 +20,16 @@ from pagedserve.engine.request import Request, RequestStatus
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
+                 preemption_mode: str = "recompute") -> None:
         self.config = config
         self.kv = kv
         self.max_model_len = max_model_len
+        self.preemption_mode = preemption_mode
+        self.num_preemptions_swap = 0
+        # Forked samples waiting for their source's prefill, keyed by the source's req_id.
+        self.pending_forks: dict[str, list[Request]] = {}
+        self.fork_source: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -30,7 +40,7 @@ class Scheduler:
     def capacity_tokens(self) -> int:
         return self.kv.num_blocks * self.kv.block_size
 
-    def add_request(self, req: Request) -> None:
+    def add_request(self, req: Request, fork_of: Request | None = None) -> None:
         if req.req_id in self.requests:
             raise ValueError(f"request id {req.req_id!r} is already in use")
         need = req.num_prompt_tokens + req.max_tokens
@@ -38,7 +48,16 @@ class Scheduler:
             raise ValueError(f"prompt ({req.num_prompt_tokens} tokens) plus max_tokens ({req.max_tokens}) "
                              f"can never fit in the KV cache ({self.capacity_tokens} tokens)")
         self.requests[req.req_id] = req
-        self.waiting.append(req)
+        if fork_of is not None and fork_of.req_id in self.requests and not fork_of.output_token_ids:
+            self.pending_forks.setdefault(fork_of.req_id, []).append(req)
+            self.fork_source[req.req_id] = fork_of
+        else:
+            self.waiting.append(req)
+
+    def _release_forks(self, src: Request) -> None:
+        # Forks join the queue right behind the front, so they are admitted while src's blocks are held.
+        for req in reversed(self.pending_forks.pop(src.req_id, [])):
+            self.waiting.appendleft(req)
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -68,6 +87,25 @@ class Scheduler:
         while (not preempted and self.waiting and budget > 0
                and len(self.running) < self.config.max_num_seqs):
             req = self.waiting[0]
+            if self.kv.is_swapped(req):
+                num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+                if self.kv.swap_in(req, num_new) is None:
+                    break
+                self._admit(req)
+                scheduled.append(self._plan(req, num_new))
+                budget -= num_new
+                continue
+            src = self.fork_source.pop(req.req_id, None)
+            if src is not None and self._try_fork(src, req):
+                num_new = req.num_tokens - req.num_computed_tokens
+                if self.kv.allocate_slots(req, num_new) is None:
+                    self.kv.free(req)
+                    req.num_computed_tokens = 0
+                    break
+                self._admit(req)
+                scheduled.append(self._plan(req, num_new))
+                budget -= num_new
+                continue
             hits, num_hit_tokens = self.kv.get_computed_blocks(req)
             num_new = req.num_tokens - num_hit_tokens
             if num_new > budget and not self.config.enable_chunked_prefill:
@@ -76,17 +114,32 @@ class Scheduler:
             if self.kv.allocate_slots(req, num_new, hits) is None:
                 break
             self.kv.record_prefix_query(req, num_hit_tokens)
-            self.waiting.popleft()
             req.num_computed_tokens = num_hit_tokens
             if req.num_preemptions == 0:
                 req.num_cached_tokens = num_hit_tokens
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
+            self._admit(req)
             scheduled.append(self._plan(req, num_new))
             budget -= num_new
 
         finished, self._finished_since_plan = self._finished_since_plan, []
-        return SchedulerOutput(scheduled, self.config.max_num_batched_tokens - budget, preempted, finished)
+        return SchedulerOutput(scheduled, self.config.max_num_batched_tokens - budget, preempted, finished,
+                               self.kv.take_block_ops())
+
+    def _admit(self, req: Request) -> None:
+        self.waiting.popleft()
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+
+    def _try_fork(self, src: Request, req: Request) -> bool:
+        # Share src's computed prompt blocks; req then computes only its last prompt token, whose logits
+        # it samples from with its own seed.
+        num_shared = req.num_prompt_tokens - 1
+        if (num_shared < 1 or src.status is not RequestStatus.RUNNING
+                or src.num_computed_tokens < num_shared or req.num_tokens != req.num_prompt_tokens):
+            return False
+        self.kv.fork(src, req, num_shared)
+        req.num_computed_tokens = num_shared
+        return True
 
     def _plan(self, req: Request, num_new: int) -> ScheduledRequest:
         start = req.num_computed_tokens
@@ -94,8 +147,12 @@ class Scheduler:
                                 self.kv.block_ids(req.req_id), start + num_new == req.num_tokens)
 
     def _preempt(self, req: Request) -> None:
-        self.kv.free(req, finished=False)
-        req.num_computed_tokens = 0
+        if self.preemption_mode == "swap" and self.kv.can_swap_out(req):
+            self.kv.swap_out(req)  # keeps num_computed_tokens: the K/V comes back with the blocks
+            self.num_preemptions_swap += 1
+        else:
+            self.kv.free(req, finished=False)
+            req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions_total += 1
@@ -115,6 +172,8 @@ class Scheduler:
                 continue
             j = sampled[req.req_id]
             req.append_token(result.sampled_token_ids[j])
+            if req.req_id in self.pending_forks:
+                self._release_forks(req)
             if result.logprobs is not None:
                 req.cumulative_logprob += result.logprobs[j]
             status = req.check_stop(self.max_model_len)
@@ -131,6 +190,13 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        src = self.fork_source.pop(req_id, None)
+        if src is not None and req in self.pending_forks.get(src.req_id, ()):
+            self.pending_forks[src.req_id].remove(req)
+        # Forks still waiting on this request fall back to an ordinary prefill (prefix cache hits).
+        for fork in self.pending_forks.pop(req_id, []):
+            self.fork_source.pop(fork.req_id, None)
+            self.waiting.append(fork)
         req.status = status
         self.kv.free(req)
         self._finished_since_plan.append(req_id)
@@ -138,6 +204,10 @@ class Scheduler:
 
     def stats(self) -> SchedulerStats:
         ps = self.kv.prefix_stats
-        return SchedulerStats(len(self.running), len(self.waiting), self.kv.usage(),
+        kv = self.kv
+        num_pending = sum(len(forks) for forks in self.pending_forks.values())
+        return SchedulerStats(len(self.running), len(self.waiting) + num_pending, kv.usage(),
                               self.num_preemptions_total, ps.num_queries, ps.num_hits,
-                              self.kv.pool.num_free_blocks, self.kv.num_blocks)
+                              kv.pool.num_free_blocks, kv.num_blocks, kv.pool.num_shared_blocks,
+                              kv.num_cow_copies, kv.num_swapped_out_blocks, kv.num_swapped_in_blocks,
+                              self.num_preemptions_swap, len(kv.swapped))

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagedserve.core.kv_cache_manager import BlockOps
 from pagedserve.engine.request import Request
 
 
@@ -22,6 +23,7 @@ class SchedulerOutput:
     preempted_req_ids: list[str] = field(default_factory=list)
     # Requests that left since the previous plan, so the runner can drop per-request state.
     finished_req_ids: list[str] = field(default_factory=list)
+    block_ops: BlockOps = field(default_factory=lambda: BlockOps([], [], []))
 
     @property
     def is_empty(self) -> bool:
@@ -48,3 +50,9 @@ class SchedulerStats:
     prefix_cache_hits: int
     num_free_blocks: int
     num_blocks: int
+    num_shared_blocks: int = 0
+    num_cow_copies_total: int = 0
+    num_swapped_out_blocks_total: int = 0
+    num_swapped_in_blocks_total: int = 0
+    num_preemptions_swap_total: int = 0
+    num_swapped: int = 0

@@ -225,6 +225,20 @@ class AsyncLLMEngine:
     # ---- engine thread ----------------------------------------------------------------------------------
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        finally:
+            # Normal shutdown, or a bug that escaped the loop: either way nobody may wait forever.
+            with self._lock:
+                self._closed = True
+            self._run_commands()
+            self._fail_all("the engine stopped", closed=True)
+            try:
+                self._take_snapshot()
+            except Exception:  # noqa: BLE001
+                logger.exception("final stats snapshot failed")
+
+    def _loop(self) -> None:
         engine = self.engine
         while True:
             # Clear before draining: a command queued after the drain sets the event again, so the waits
@@ -232,25 +246,22 @@ class AsyncLLMEngine:
             self._wakeup.clear()
             self._run_commands()
             if self._closed:
-                break
+                return
             if not engine.has_unfinished_requests():
                 self._take_snapshot()
                 self._wakeup.wait()
                 continue
             try:
                 outputs = engine.step()
+                self._dispatch(outputs)
+                self._take_snapshot()
             except Exception as exc:  # noqa: BLE001 (fail the requests, keep serving)
                 logger.exception("engine step failed; failing %d in-flight requests", len(self._streams))
                 self._fail_all(f"engine step failed: {type(exc).__name__}: {exc}")
                 continue
-            self._dispatch(outputs)
-            self._take_snapshot()
             if not outputs:
                 # A prefill chunk yields nothing; this short wait only guards against a spinning empty plan.
                 self._wakeup.wait(0.0005)
-        self._run_commands()
-        self._fail_all("the server is shutting down", closed=True)
-        self._take_snapshot()
 
     def _run_commands(self) -> None:
         while True:

@@ -18,7 +18,7 @@ from pagedserve.metrics.stats import EngineStats, RequestStats
 from pagedserve.model.loader import load_model
 from pagedserve.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.worker.kv_cache import allocate_kv_caches
+from pagedserve.worker.kv_cache import allocate_host_caches, allocate_kv_caches, kv_bytes_per_block
 from pagedserve.worker.memory import plan_num_blocks
 from pagedserve.worker.model_runner import ModelRunner
 
@@ -74,9 +74,16 @@ class LLMEngine:
         num_blocks = plan_num_blocks(config.cache, hf.num_hidden_layers, num_kv_heads, head_dim, dtype, device)
         kv_caches = allocate_kv_caches(hf.num_hidden_layers, num_blocks, bs, num_kv_heads, head_dim, dtype,
                                        device)
-        self.kv = KVCacheManager(num_blocks, bs, config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.kv, max_len)
+        per_block = kv_bytes_per_block(hf.num_hidden_layers, bs, num_kv_heads, head_dim, dtype)
+        num_host_blocks = int(config.cache.swap_space_gib * (1 << 30)) // per_block
+        if config.cache.preemption_mode == "swap" and num_host_blocks == 0:
+            raise ValueError("preemption_mode='swap' needs swap_space > 0 (GiB of host memory)")
+        self.kv = KVCacheManager(num_blocks, bs, config.cache.enable_prefix_caching, num_host_blocks)
+        self.scheduler = Scheduler(config.scheduler, self.kv, max_len, config.cache.preemption_mode)
         self.runner = ModelRunner(loaded.model, kv_caches, bs, hf.vocab_size, device)
+        if num_host_blocks:
+            self.runner.host_caches = allocate_host_caches(hf.num_hidden_layers, num_host_blocks, bs,
+                                                           num_kv_heads, head_dim, dtype, device)
         self.stats = EngineStats()
         self.groups: dict[str, _Group] = {}
         self.seqs: dict[str, _Sequence] = {}
@@ -109,8 +116,10 @@ class LLMEngine:
             req = Request(seq_id, prompt_ids, p, max_tokens, self.processor.eos_token_ids(p), arrival)
             detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, p)
             group.seqs.append(_Sequence(req, request_id, i, detok, [] if p.logprobs is not None else None))
+        first = group.seqs[0].request
         for seq in group.seqs:
-            self.scheduler.add_request(seq.request)
+            # Samples after the first fork it: they share its prompt blocks instead of prefilling again.
+            self.scheduler.add_request(seq.request, fork_of=None if seq.index == 0 else first)
             self.seqs[seq.request.req_id] = seq
         self.groups[request_id] = group
 

@@ -26,7 +26,7 @@ from pagedserve.server.protocol import (ChatCompletionRequest, CompletionRequest
                                         TokenizeResponse)
 from pagedserve.server.serving_chat import OpenAIServingChat
 from pagedserve.server.serving_completion import OpenAIServingCompletion
-from pagedserve.server.streaming import ClientDisconnected
+from pagedserve.server.streaming import ClientDisconnected, json_response
 
 logger = logging.getLogger(__name__)
 
@@ -127,7 +127,7 @@ def build_app(engine: AsyncLLMEngine, args: Any) -> FastAPI:
     async def list_models() -> Response:
         cards = [ModelCard(id=name, root=model_path or engine.model_name, max_model_len=engine.max_model_len)
                  for name in names]
-        return JSONResponse(ModelList(data=cards).model_dump())
+        return json_response(ModelList(data=cards))
 
     @app.get("/health")
     async def health() -> Response:
@@ -149,8 +149,7 @@ def build_app(engine: AsyncLLMEngine, args: Any) -> FastAPI:
             return e.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
 
         ids = list(await engine.call(run))
-        return JSONResponse(TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len,
-                                             tokens=ids).model_dump())
+        return json_response(TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len, tokens=ids))
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest) -> Response:
@@ -163,7 +162,7 @@ def build_app(engine: AsyncLLMEngine, args: Any) -> FastAPI:
                 raise ValueError(f"token ids must be in [0, {vocab}), got {bad[:5]}")
             return e.tokenizer.decode(req.tokens)
 
-        return JSONResponse(DetokenizeResponse(prompt=await engine.call(run)).model_dump())
+        return json_response(DetokenizeResponse(prompt=await engine.call(run)))
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from pagedserve.engine.async_engine import EngineClosedError, OutputStream
 from pagedserve.outputs import Logprob, RequestOutput
@@ -16,7 +16,7 @@ from pagedserve.server.protocol import (ChatChoice, ChatChoiceLogprobs, ChatComp
                                         ChatCompletionResponse, ChatCompletionStreamResponse,
                                         ChatLogprobEntry, ChatResponseMessage, ChatStreamChoice,
                                         ChatTopLogprob, DeltaMessage)
-from pagedserve.server.streaming import SSE_DONE, SSEResponse, sse, unless_disconnected
+from pagedserve.server.streaming import SSE_DONE, SSEResponse, json_response, sse, unless_disconnected
 
 
 def chat_prompt(messages: list[dict[str, Any]], add_generation_prompt: bool):
@@ -85,7 +85,7 @@ class OpenAIServingChat:
                                       stop_reason=c.stop_reason))
         body = ChatCompletionResponse(id=request_id, created=created, model=self.ctx.model_name,
                                       choices=choices, usage=usage_of([final]))
-        return JSONResponse(body.model_dump())
+        return json_response(body)
 
     async def _stream(self, req: ChatCompletionRequest, stream: OutputStream, request_id: str,
                       created: int) -> AsyncIterator[str]:

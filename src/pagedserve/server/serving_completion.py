@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from pagedserve.engine.async_engine import EngineClosedError, OutputStream
 from pagedserve.outputs import Logprob, RequestOutput
@@ -14,7 +14,7 @@ from pagedserve.server.context import ServerContext, random_id, usage_of
 from pagedserve.server.errors import OpenAIError
 from pagedserve.server.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest,
                                         CompletionResponse, CompletionStreamResponse)
-from pagedserve.server.streaming import SSE_DONE, SSEResponse, sse, unless_disconnected
+from pagedserve.server.streaming import SSE_DONE, SSEResponse, json_response, sse, unless_disconnected
 
 
 def legacy_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]], num_top: int,
@@ -86,7 +86,7 @@ class OpenAIServingCompletion:
                                                 stop_reason=c.stop_reason))
         body = CompletionResponse(id=request_id, created=created, model=self.ctx.model_name,
                                   choices=choices, usage=usage_of(finals))
-        return JSONResponse(body.model_dump())
+        return json_response(body)
 
     async def _stream(self, req: CompletionRequest, stream: OutputStream, request_id: str, created: int,
                       sub_ids: list[str], echo_texts: list[str]) -> AsyncIterator[str]:

@@ -6,7 +6,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 from fastapi import Request
 from pydantic import BaseModel
-from starlette.responses import StreamingResponse
+from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 T = TypeVar("T")
@@ -15,6 +15,12 @@ SSE_DONE = "data: [DONE]\n\n"
 
 def sse(payload: BaseModel) -> str:
     return f"data: {payload.model_dump_json()}\n\n"
+
+
+def json_response(payload: BaseModel, status_code: int = 200) -> Response:
+    # pydantic's serializer writes a non-finite float (a -inf logprob) as null, where json.dumps would emit
+    # the invalid token -Infinity.
+    return Response(payload.model_dump_json(), status_code=status_code, media_type="application/json")
 
 
 class SSEResponse(StreamingResponse):

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from pagedserve.attention.metadata import AttentionMetadata
+from pagedserve.worker.kv_cache import apply_block_ops
 from pagedserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagedserve.sample.sampler import Sampler, SamplingBatch, SamplingRow, make_generator
 
@@ -13,6 +14,7 @@ class ModelRunner:
                  vocab_size: int, device: torch.device) -> None:
         self.model = model
         self.kv_caches = kv_caches
+        self.host_caches: list[torch.Tensor] = []  # the swap pool, set by the engine when swap_space > 0
         self.block_size = block_size
         self.vocab_size = vocab_size
         self.device = device
@@ -56,6 +58,7 @@ class ModelRunner:
     def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
         for req_id in plan.finished_req_ids:
             self.generators.pop(req_id, None)
+        apply_block_ops(plan.block_ops, self.kv_caches, self.host_caches)
         input_ids, positions, meta = self.build_metadata(plan)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
 
