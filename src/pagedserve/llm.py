@@ -9,7 +9,7 @@ from pagedserve.config import CacheConfig, DeviceConfig, EngineConfig, ModelConf
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.processor import PromptInput
 from pagedserve.outputs import RequestOutput
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.sampling_params import BeamSearchParams, SamplingParams
 
 
 def engine_config_from_kwargs(model: str | None = None, *, tokenizer: str | None = None,
@@ -77,6 +77,13 @@ class LLM:
         for out, text in zip(outs, texts):
             out.prompt = text
         return outs
+
+    def beam_search(self, prompts: PromptInput | Sequence[PromptInput], params: BeamSearchParams):
+        from pagedserve.beam_search import run_beam_search
+
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        return run_beam_search(self, list(prompts), params)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine

@@ -57,13 +57,12 @@ class OpenAIServingCompletion:
         prompts = req.prompts()
         request_id = random_id("cmpl")
         engine = self.ctx.engine
-        echo_texts = [""] * len(prompts)
-        if req.echo:
-            echo_texts = [p if isinstance(p, str) else None for p in prompts]  # type: ignore[misc]
-            if any(t is None for t in echo_texts):
-                decoded = await engine.call(lambda e: [e.tokenizer.decode(p) if not isinstance(p, str) else p
-                                                       for p in prompts])
-                echo_texts = decoded
+        echo_texts: list[str] = [""] * len(prompts)
+        if req.echo and all(isinstance(p, str) for p in prompts):
+            echo_texts = list(prompts)  # type: ignore[arg-type]
+        elif req.echo:  # token-id prompts are echoed as their text, decoded on the engine thread
+            echo_texts = await engine.call(lambda e: [p if isinstance(p, str) else e.tokenizer.decode(p)
+                                                      for p in prompts])
         sub_ids = [f"{request_id}-{i}" for i in range(len(prompts))]
         stream = await engine.add_requests([(rid, p, params) for rid, p in zip(sub_ids, prompts)])
         created = int(time.time())
