@@ -14,7 +14,7 @@ API_KEY = "test-secret-key"
 def server():
     srv = ServerProcess()
     yield srv
-    srv.stop()
+    srv.close()
 
 
 @pytest.fixture(scope="session")
@@ -32,7 +32,7 @@ def keyed_server():
     # API key on, vLLM metric names and a custom served name: the switches a vLLM user would carry over.
     srv = ServerProcess("--api-key", API_KEY, "--metrics-prefix", "vllm", "--served-model-name", "smol", "alias")
     yield srv
-    srv.stop()
+    srv.close()
 
 
 # Greedy cases the server must answer exactly as the offline LLM does. Prompts stay under one KV block

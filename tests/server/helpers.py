@@ -73,6 +73,12 @@ class ServerProcess:
         return self.proc.returncode
 
 
+    def close(self) -> None:
+        self.stop()
+        self.log.close()
+        os.unlink(self.log.name)
+
+
 def scrape(url: str) -> dict[tuple[str, frozenset], float]:
     # {(series name, frozenset of label pairs): value} from the Prometheus text format.
     text = httpx.get(f"{url}/metrics", timeout=10).text
