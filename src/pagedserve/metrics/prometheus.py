@@ -70,6 +70,23 @@ class _SnapshotCollector:
                       sched.prefix_cache_queries if sched else 0)
         yield counter("prefix_cache_hits_total", "Prompt tokens found in the prefix cache.",
                       sched.prefix_cache_hits if sched else 0)
+        # Sharing and preemption (pagedserve's own series; vLLM has no equivalents for most of them).
+        yield gauge("kv_shared_blocks", "KV blocks currently referenced by more than one sequence.",
+                    sched.num_shared_blocks if sched else 0)
+        yield counter("kv_copy_on_write_total", "Blocks copied because a sequence wrote to a shared block.",
+                      sched.num_cow_copies_total if sched else 0)
+        yield counter("kv_swapped_out_blocks_total", "KV blocks swapped out to the host pool.",
+                      sched.num_swapped_out_blocks_total if sched else 0)
+        yield counter("kv_swapped_in_blocks_total", "KV blocks swapped back in from the host pool.",
+                      sched.num_swapped_in_blocks_total if sched else 0)
+        yield gauge("num_requests_swapped", "Requests whose KV blocks sit in the host swap pool.",
+                    sched.num_swapped if sched else 0)
+        preempt = CounterMetricFamily(f"{p}:preemptions_by_mode_total", "Preemptions by mode.",
+                                      labels=["model_name", "mode"])
+        swaps = sched.num_preemptions_swap_total if sched else 0
+        preempt.add_metric([self.model_name, "swap"], swaps)
+        preempt.add_metric([self.model_name, "recompute"], (sched.num_preemptions_total if sched else 0) - swaps)
+        yield preempt
         success = CounterMetricFamily(f"{p}:request_success_total", "Count of finished sequences by reason.",
                                       labels=["model_name", "finished_reason"])
         for reason in _FINISH_REASONS:
