@@ -58,3 +58,14 @@ def test_parallel_samples_equal_separate_seeded_requests(llm):
     assert [c.index for c in grouped.outputs] == [0, 1, 2, 3]
     assert len({tuple(c.token_ids) for c in grouped.outputs}) > 1
     assert cow_before > 0
+
+
+def test_best_of_returns_the_most_likely_samples(llm):
+    prompt = "My favourite food is"
+    [out] = llm.generate([prompt], SamplingParams(n=2, best_of=4, temperature=1.0, seed=3, max_tokens=8),
+                         use_tqdm=False)
+    singles = llm.generate([prompt] * 4, [SamplingParams(temperature=1.0, seed=3 + i, max_tokens=8, logprobs=0)
+                                          for i in range(4)], use_tqdm=False)
+    ranked = sorted((s.outputs[0] for s in singles), key=lambda c: c.cumulative_logprob, reverse=True)
+    assert [c.token_ids for c in out.outputs] == [c.token_ids for c in ranked[:2]]
+    assert [c.index for c in out.outputs] == [0, 1] and out.outputs[0].cumulative_logprob is None

@@ -1,6 +1,7 @@
 """The step loop: schedule -> run the model -> update requests -> detokenize -> RequestOutputs."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -42,6 +43,9 @@ class _Group:
     prompt: str | None
     prompt_token_ids: list[int]
     seqs: list[_Sequence] = field(default_factory=list)
+    # best_of > n: the best n samples by cumulative logprob are returned once all have finished.
+    num_returned: int | None = None
+    keep_logprobs: bool = True
 
     @property
     def finished(self) -> bool:
@@ -103,16 +107,19 @@ class LLMEngine:
                     arrival_time: float | None = None) -> None:
         if request_id in self.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
-        if params.best_of is not None and params.best_of > params.n:
-            raise ValueError("best_of > n is not supported yet; use n")
         prompt_text, prompt_ids = self.processor.tokenize(prompt)
         max_tokens = self.processor.resolve_max_tokens(prompt_ids, params)
         group = _Group(request_id, prompt_text, prompt_ids)
+        num_samples = params.best_of or params.n
+        if num_samples > params.n:
+            # Ranking needs each sample's cumulative logprob, so the sampler must report logprobs.
+            group.num_returned, group.keep_logprobs = params.n, params.logprobs is not None
+            params = dataclasses.replace(params, logprobs=params.logprobs or 0)
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        for i in range(params.n):
+        for i in range(num_samples):
             # Sample i of a seeded request uses seed + i, so n=4 equals four requests seeded s..s+3.
-            p = params if params.n == 1 else _child_params(params, i)
-            seq_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            p = params if num_samples == 1 else _child_params(params, i)
+            seq_id = request_id if num_samples == 1 else f"{request_id}#{i}"
             req = Request(seq_id, prompt_ids, p, max_tokens, self.processor.eos_token_ids(p), arrival)
             detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, p)
             group.seqs.append(_Sequence(req, request_id, i, detok, [] if p.logprobs is not None else None))
@@ -205,6 +212,8 @@ class LLMEngine:
                 logprobs=seq.logprobs,
                 finish_reason=req.status.value if done else None,
                 stop_reason=req.stop_reason))
+        if group.num_returned is not None:
+            completions = _best_of(completions, group) if group.finished else []
         first = group.seqs[0].request
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, completions,
                              group.finished, num_cached_tokens=first.num_cached_tokens,
@@ -217,8 +226,15 @@ class LLMEngine:
             self.stats.record_finished(seq.request)
 
 
-def _child_params(params: SamplingParams, index: int) -> SamplingParams:
-    import dataclasses
+def _best_of(completions: list[CompletionOutput], group: _Group) -> list[CompletionOutput]:
+    best = sorted(completions, key=lambda c: c.cumulative_logprob, reverse=True)[:group.num_returned]
+    for i, c in enumerate(best):
+        c.index = i
+        if not group.keep_logprobs:
+            c.logprobs = c.cumulative_logprob = None
+    return best
 
+
+def _child_params(params: SamplingParams, index: int) -> SamplingParams:
     seed = None if params.seed is None else params.seed + index
     return dataclasses.replace(params, n=1, best_of=None, seed=seed)
