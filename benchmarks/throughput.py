@@ -73,7 +73,8 @@ class KVWasteSampler:
                 step_wastes.append(1 - used / a)
                 if a > peak_alloc:
                     peak_alloc, peak_waste = a, 1 - used / a
-            out[name] = {"time_avg_waste": wasted / allocated, "step_avg_waste": sum(step_wastes) / len(step_wastes),
+            out[name] = {"time_avg_waste": wasted / allocated,
+                         "step_avg_waste": sum(step_wastes) / len(step_wastes),
                          "peak_time_waste": peak_waste, "peak_allocated_slots": peak_alloc}
         return out
 

@@ -1,0 +1,98 @@
+"""Drive one workload against one endpoint: Poisson arrivals, a concurrency cap, or both, stoppable.
+
+    rate = inf, concurrency = C   fixed concurrency: C requests in flight until the workload is drained
+    rate = R,   concurrency None  open loop: exponential inter-arrival gaps (a Poisson process) of mean 1/R
+    rate = R,   concurrency = C   Poisson arrivals that wait for one of C slots (a client-side queue)
+Latencies are measured from the moment a request is actually sent, so client-side queueing is not counted
+as server latency; it shows as lower throughput instead.
+
+Setting `stop` (Ctrl-C) sends nothing more, cancels what is in flight (the server sees the connection close
+and can free its work) and returns what finished, so a long run interrupted still reports.
+"""
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import time
+from dataclasses import dataclass
+
+import httpx
+
+from pagedserve.bench.client import Endpoint, RequestResult, send_request
+from pagedserve.bench.dataset import BenchRequest
+
+
+@dataclass(slots=True)
+class RunResult:
+    endpoint: Endpoint
+    request_rate: float               # math.inf for "send as fast as the concurrency allows"
+    concurrency: int | None
+    results: list[RequestResult]      # finished requests (success or failure), in completion order
+    num_cancelled: int
+    num_not_sent: int
+    duration_s: float
+    interrupted: bool
+
+
+def make_client(concurrency: int | None, timeout_s: float) -> httpx.AsyncClient:
+    # No pool limit unless a concurrency cap bounds the connections anyway: a pool that queued requests
+    # would add client-side waiting to the measured TTFT.
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    timeout = httpx.Timeout(timeout_s, connect=10.0, pool=None)
+    return httpx.AsyncClient(limits=limits, timeout=timeout)
+
+
+async def _sleep_unless(stop: asyncio.Event, seconds: float) -> None:
+    try:
+        await asyncio.wait_for(stop.wait(), timeout=seconds)
+    except TimeoutError:
+        pass
+
+
+async def run_load(ep: Endpoint, requests: list[BenchRequest], sampling: dict, request_rate: float = math.inf,
+                   concurrency: int | None = None, stop: asyncio.Event | None = None, progress=None,
+                   seed: int = 0, timeout_s: float = 600.0) -> RunResult:
+    stop = stop or asyncio.Event()
+    rng = random.Random(seed)
+    sem = asyncio.Semaphore(concurrency) if concurrency else None
+    results: list[RequestResult] = []
+
+    async def one(client: httpx.AsyncClient, req: BenchRequest) -> None:
+        try:
+            if sem is None:
+                r = await send_request(client, ep, req, sampling)
+            else:
+                async with sem:
+                    r = await send_request(client, ep, req, sampling)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a client bug must not lose the other results
+            r = RequestResult(prompt_len=req.prompt_len, max_tokens=req.output_len,
+                              error=f"client error: {type(e).__name__}: {e}")
+        results.append(r)
+        if progress is not None:
+            progress.update(1)
+            if not r.success:
+                progress.set_postfix(failed=sum(not x.success for x in results), refresh=False)
+
+    async with make_client(concurrency, timeout_s) as client:
+        tasks: list[asyncio.Task] = []
+        t0 = time.perf_counter()
+        for i, req in enumerate(requests):
+            if stop.is_set():
+                break
+            tasks.append(asyncio.create_task(one(client, req)))
+            if math.isfinite(request_rate) and i < len(requests) - 1:
+                await _sleep_unless(stop, rng.expovariate(request_rate))
+        stopper = asyncio.ensure_future(stop.wait())
+        waiter = asyncio.ensure_future(asyncio.wait(tasks)) if tasks else None
+        await asyncio.wait([f for f in (stopper, waiter) if f], return_when=asyncio.FIRST_COMPLETED)
+        end = time.perf_counter()
+        in_flight = [t for t in tasks if not t.done()]
+        for t in in_flight + [stopper] + ([waiter] if waiter else []):
+            t.cancel()
+        await asyncio.gather(*tasks, stopper, *([waiter] if waiter else []), return_exceptions=True)
+    return RunResult(endpoint=ep, request_rate=request_rate, concurrency=concurrency, results=results,
+                     num_cancelled=len(in_flight), num_not_sent=len(requests) - len(tasks),
+                     duration_s=end - t0, interrupted=bool(in_flight) or len(tasks) < len(requests))
