@@ -21,6 +21,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--preemption-mode", choices=["recompute", "swap"], default="recompute")
     g.add_argument("--device", default="auto")
     g.add_argument("--num-threads", type=int, default=None)
+    g.add_argument("--attention-backend", choices=["auto", "reference", "cpu"], default="auto",
+                   help="auto: the compiled CPU kernel on CPU when it builds, else the pure-torch reference")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--chat-template", default=None, metavar="FILE")
 
@@ -32,7 +34,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 enable_prefix_caching=args.enable_prefix_caching, swap_space=args.swap_space,
                 preemption_mode=args.preemption_mode, device=args.device, num_threads=args.num_threads,
-                seed=args.seed, chat_template=args.chat_template)
+                seed=args.seed, chat_template=args.chat_template, attention_backend=getattr(args, "attention_backend", "auto"))
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -87,6 +89,14 @@ def build_parser() -> argparse.ArgumentParser:
         pass
     else:
         add_serve_parser(sub, add_engine_args)
+    try:
+        from pagedserve.bench.cli import add_bench_parser
+        from pagedserve.plan import add_plan_parser
+    except ImportError:
+        pass
+    else:
+        add_bench_parser(sub)
+        add_plan_parser(sub)
     return parser
 
 

@@ -12,6 +12,8 @@ class ModelConfig:
     dtype: str = "float32"
     seed: int = 0
     chat_template: str | None = None  # path or template text overriding the model's
+    # "auto": the compiled CPU paged-attention kernel on CPU when it builds, else "reference" (pure torch).
+    attention_backend: str = "auto"
 
 
 @dataclass(frozen=True, slots=True)

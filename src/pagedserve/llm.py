@@ -20,9 +20,9 @@ def engine_config_from_kwargs(model: str | None = None, *, tokenizer: str | None
                               swap_space: float = 0.0, preemption_mode: str = "recompute",
                               max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
                               enable_chunked_prefill: bool = True, device: str = "auto",
-                              num_threads: int | None = None) -> EngineConfig:
+                              num_threads: int | None = None, attention_backend: str = "auto") -> EngineConfig:
     return EngineConfig(
-        model=ModelConfig(model, tokenizer, max_model_len, dtype, seed, chat_template),
+        model=ModelConfig(model, tokenizer, max_model_len, dtype, seed, chat_template, attention_backend),
         cache=CacheConfig(block_size, kv_cache_memory_bytes, kv_cache_fraction, num_gpu_blocks_override,
                           enable_prefix_caching, swap_space, preemption_mode),
         scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill),

@@ -25,10 +25,25 @@ class AttentionBackend(Protocol):
         ...
 
 
-def get_attention_backend(name: str = "reference") -> AttentionBackend:
-    # Imported lazily so adding a backend with optional dependencies never breaks the others.
-    if name == "reference":
-        from pagedserve.attention.reference import ReferenceAttentionBackend
+BACKENDS = ("auto", "reference", "cpu")
 
-        return ReferenceAttentionBackend()
-    raise ValueError(f"unknown attention backend {name!r}; available: ['reference']")
+
+def get_attention_backend(name: str = "reference", device: torch.device | str = "cpu") -> AttentionBackend:
+    # Imported lazily so adding a backend with optional dependencies never breaks the others.
+    # "auto": the compiled CPU kernel on CPU when it builds, else the reference (CUDA, no compiler).
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; available: {list(BACKENDS)}")
+    if name in ("auto", "cpu"):
+        from pagedserve import kernels
+
+        ops = kernels.load() if torch.device(device).type == "cpu" else None
+        if ops is not None:
+            from pagedserve.attention.cpu_paged import CpuPagedAttentionBackend
+
+            return CpuPagedAttentionBackend(ops)
+        if name == "cpu":
+            raise ValueError("attention backend 'cpu' needs the compiled kernels on a CPU device; "
+                             "see pagedserve.kernels (or use 'auto' / 'reference')")
+    from pagedserve.attention.reference import ReferenceAttentionBackend
+
+    return ReferenceAttentionBackend()

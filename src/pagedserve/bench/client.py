@@ -185,14 +185,18 @@ async def send_request(client: httpx.AsyncClient, ep: Endpoint, req: BenchReques
     return res
 
 
+class Unreachable(ConnectionError):
+    pass
+
+
 async def list_models(client: httpx.AsyncClient, base_url: str, api_key: str | None) -> list[str]:
-    # Preflight: raises ConnectionError with a readable reason when the server cannot be reached or answers
-    # with an error; returns the served model ids.
+    # Preflight: the served model ids. Raises Unreachable when nothing answers, ConnectionError when the
+    # server answers with an error (some servers have no /v1/models; with --model given that is no obstacle).
     url = f"{base_url}/models"
     try:
         resp = await client.get(url, headers=headers(api_key), timeout=10.0)
     except httpx.HTTPError as e:
-        raise ConnectionError(f"cannot reach {url}: {type(e).__name__}: {e or 'no response'}") from e
+        raise Unreachable(f"cannot reach {url}: {type(e).__name__}: {e or 'no response'}") from e
     if resp.status_code != 200:
         raise ConnectionError(f"{url} answered HTTP {resp.status_code}: {error_message(resp.content)}")
     try:

@@ -53,18 +53,22 @@ def random_words(rng: random.Random, n: int) -> str:
 
 
 def random_requests(num_prompts: int, input_len: tuple[int, int], output_len: tuple[int, int],
-                    shared_prefix_len: int = 0, seed: int = 0) -> list[BenchRequest]:
-    # One seeded RNG makes the workload identical for every endpoint and every run. The shared prefix (a
-    # long system prompt) comes first so a server with prefix caching can reuse its KV blocks; each request's
-    # own words follow, so requests never share more than the prefix by accident.
-    rng = random.Random(seed)
-    prefix = random_words(rng, shared_prefix_len)
+                    shared_prefix_len: int = 0, seed: int = 0, variant: int = 0) -> list[BenchRequest]:
+    # Seeded RNGs make the workload identical for every endpoint. Lengths depend on the seed only; the words
+    # also depend on `variant`, so each point of a sweep sends fresh prompts of the same lengths and a server
+    # with a prefix cache cannot answer a later point from blocks cached during an earlier one. The shared
+    # prefix (a long system prompt) is the same everywhere and comes first, so it can be cached; each
+    # request's own words follow, so requests never share more than the prefix by accident.
+    lengths = random.Random(seed)
+    words = random.Random(f"words/{seed}/{variant}")
+    prefix = random_words(random.Random(f"prefix/{seed}"), shared_prefix_len)
     reqs = []
     for _ in range(num_prompts):
-        n_in = max(rng.randint(*input_len), 1 if not prefix else 0)
-        own = random_words(rng, n_in)
+        n_in = max(lengths.randint(*input_len), 1 if not prefix else 0)
+        n_out = max(lengths.randint(*output_len), 1)
+        own = random_words(words, n_in)
         prompt = f"{prefix} {own}".strip() if prefix else own
-        reqs.append(BenchRequest(prompt, shared_prefix_len + n_in, max(rng.randint(*output_len), 1)))
+        reqs.append(BenchRequest(prompt, shared_prefix_len + n_in, n_out))
     return reqs
 
 
@@ -140,9 +144,10 @@ def load_sharegpt(path: str, output_len: tuple[int, int] | None, seed: int = 0) 
 
 
 def load_dataset(name: str, num_prompts: int | None, input_len: tuple[int, int], output_len: tuple[int, int],
-                 shared_prefix_len: int = 0, seed: int = 0, output_len_given: bool = False) -> list[BenchRequest]:
+                 shared_prefix_len: int = 0, seed: int = 0, output_len_given: bool = False,
+                 variant: int = 0) -> list[BenchRequest]:
     if name == "random":
-        return random_requests(num_prompts or 100, input_len, output_len, shared_prefix_len, seed)
+        return random_requests(num_prompts or 100, input_len, output_len, shared_prefix_len, seed, variant)
     if name.endswith(".jsonl"):
         reqs = load_jsonl(name, output_len, seed)
     elif name.endswith(".json"):
@@ -150,7 +155,7 @@ def load_dataset(name: str, num_prompts: int | None, input_len: tuple[int, int],
     else:
         raise DatasetError(f"unknown dataset {name!r}: use 'random', a .jsonl file of prompts or a ShareGPT .json")
     if shared_prefix_len:
-        prefix = random_words(random.Random(seed), shared_prefix_len)
+        prefix = random_words(random.Random(f"prefix/{seed}"), shared_prefix_len)
         reqs = [BenchRequest(f"{prefix} {r.prompt}", r.prompt_len + shared_prefix_len, r.output_len) for r in reqs]
     # Files are not repeated to reach --num-prompts: repeats would hit a prefix cache and flatter it.
     return reqs[:num_prompts] if num_prompts else reqs

@@ -17,6 +17,7 @@ def plot_sweep(points: dict[str, list[tuple[str, Metrics]]], slo: SLO, path: str
 
     matplotlib.use("Agg")  # files only; never needs a display
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter
 
     fig, axes = plt.subplots(1, len(PANELS), figsize=(5.2 * len(PANELS), 4.4), constrained_layout=True)
     for ax, (key, name, slo_key) in zip(axes, PANELS):
@@ -40,6 +41,10 @@ def plot_sweep(points: dict[str, list[tuple[str, Metrics]]], slo: SLO, path: str
         ax.set_xlabel("output throughput (tokens/s)")
         ax.set_ylabel("ms")
         ax.set_yscale("log")
+        plain = FuncFormatter(lambda v, _: f"{v:g}")  # 200 rather than 2x10^2 on a log axis
+        ax.yaxis.set_major_formatter(plain)
+        ax.yaxis.set_minor_formatter(plain)
+        ax.tick_params(axis="y", which="minor", labelsize=7)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
     if title:

@@ -80,12 +80,12 @@ def ratios(base: Metrics, other: Metrics) -> dict[str, float | None]:
 
 def format_comparison(labels: list[str], metrics: list[Metrics]) -> str:
     width = max(14, *(len(x) + 2 for x in labels))
-    head = f"{'metric':<22}" + "".join(f"{x:>{width}}" for x in labels)
+    head = f"{'metric':<28}" + "".join(f"{x:>{width}}" for x in labels)
     head += "".join(f"{x + ' / ' + labels[0]:>{max(width, len(x) + len(labels[0]) + 5)}}" for x in labels[1:])
     lines = [head]
     for name, get, unit, _ in COMPARED:
-        row = f"{name + ' (' + unit + ')':<22}"
-        row += "".join(f"{_fmt(get(m), 6 if unit == 'USD' else 2):>{width}}" for m in metrics)
+        row = f"{name + ' (' + unit + ')':<28}"
+        row += "".join(f"{_fmt(get(m), 6 if name == 'cost / query' else 2):>{width}}" for m in metrics)
         for label, m in zip(labels[1:], metrics[1:]):
             r = ratios(metrics[0], m)[name]
             row += f"{(_fmt(r) + 'x') if r is not None else 'n/a':>{max(width, len(label) + len(labels[0]) + 5)}}"

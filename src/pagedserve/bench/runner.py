@@ -57,14 +57,20 @@ async def run_load(ep: Endpoint, requests: list[BenchRequest], sampling: dict, r
     rng = random.Random(seed)
     sem = asyncio.Semaphore(concurrency) if concurrency else None
     results: list[RequestResult] = []
+    num_sent = 0  # requests past the concurrency gate; the rest were never sent when a stop cancels them
+
+    async def send(client: httpx.AsyncClient, req: BenchRequest) -> RequestResult:
+        nonlocal num_sent
+        num_sent += 1
+        return await send_request(client, ep, req, sampling)
 
     async def one(client: httpx.AsyncClient, req: BenchRequest) -> None:
         try:
             if sem is None:
-                r = await send_request(client, ep, req, sampling)
+                r = await send(client, req)
             else:
                 async with sem:
-                    r = await send_request(client, ep, req, sampling)
+                    r = await send(client, req)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - a client bug must not lose the other results
@@ -94,5 +100,5 @@ async def run_load(ep: Endpoint, requests: list[BenchRequest], sampling: dict, r
             t.cancel()
         await asyncio.gather(*tasks, stopper, *([waiter] if waiter else []), return_exceptions=True)
     return RunResult(endpoint=ep, request_rate=request_rate, concurrency=concurrency, results=results,
-                     num_cancelled=len(in_flight), num_not_sent=len(requests) - len(tasks),
+                     num_cancelled=num_sent - len(results), num_not_sent=len(requests) - num_sent,
                      duration_s=end - t0, interrupted=bool(in_flight) or len(tasks) < len(requests))

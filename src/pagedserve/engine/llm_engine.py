@@ -60,7 +60,7 @@ class LLMEngine:
             torch.set_num_threads(config.device.num_threads)
         dtype = getattr(torch, config.model.dtype)
         t0 = time.perf_counter()
-        loaded = load_model(config.model.model, device, dtype)
+        loaded = load_model(config.model.model, device, dtype, config.model.attention_backend)
         self.model_name = loaded.model_name
         self.tokenizer = loaded.tokenizer
         self.hf_config = loaded.hf_config

@@ -21,6 +21,7 @@ from torch import nn
 from pagedserve.attention.backend import AttentionBackend
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.model.layers.activation import SiluAndMul
+from pagedserve.model.layers.linear import Linear, pack_linear_weights, pack_weight, packed_linear
 from pagedserve.model.layers.norm import RMSNorm
 from pagedserve.model.layers.rotary import RotaryEmbedding
 
@@ -30,13 +31,14 @@ _STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qk
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-def _linear(in_features: int, out_features: int, bias: bool, device, dtype) -> nn.Linear:
+def _linear(in_features: int, out_features: int, bias: bool, device, dtype) -> Linear:
     # Weights are always overwritten by load_weights, so random init would only cost load time.
-    return nn.utils.skip_init(nn.Linear, in_features, out_features, bias=bias, device=device, dtype=dtype)
+    return nn.utils.skip_init(Linear, in_features, out_features, bias=bias, device=device, dtype=dtype)
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, hf_config, attn_backend: AttentionBackend, device, dtype) -> None:
+    def __init__(self, hf_config, attn_backend: AttentionBackend, device, dtype,
+                 rotary_emb: RotaryEmbedding | None = None) -> None:
         super().__init__()
         hidden = hf_config.hidden_size
         self.num_heads = hf_config.num_attention_heads
@@ -51,7 +53,8 @@ class LlamaAttention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = _linear(hidden, self.q_size + 2 * self.kv_size, is_qwen2 or attention_bias, device, dtype)
         self.o_proj = _linear(self.q_size, hidden, attention_bias and not is_qwen2, device, dtype)
-        self.rotary_emb = RotaryEmbedding(hf_config, self.head_dim, device=device)
+        # One instance shared by all layers (its cos/sin table is built once per model).
+        self.rotary_emb = rotary_emb or RotaryEmbedding(hf_config, self.head_dim, device=device)
         self.attn_backend = attn_backend
         self.scale = self.head_dim ** -0.5
 
@@ -84,18 +87,27 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, hf_config, attn_backend: AttentionBackend, device, dtype) -> None:
+    def __init__(self, hf_config, attn_backend: AttentionBackend, device, dtype,
+                 rotary_emb: RotaryEmbedding | None = None) -> None:
         super().__init__()
         eps = hf_config.rms_norm_eps
         self.input_layernorm = RMSNorm(hf_config.hidden_size, eps, device=device, dtype=dtype)
-        self.self_attn = LlamaAttention(hf_config, attn_backend, device, dtype)
+        self.self_attn = LlamaAttention(hf_config, attn_backend, device, dtype, rotary_emb)
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, eps, device=device, dtype=dtype)
         self.mlp = LlamaMLP(hf_config, device, dtype)
 
-    def forward(self, positions: torch.Tensor, h: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        h = h + self.self_attn(positions, self.input_layernorm(h), kv_cache, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        # The residual stream is carried separately and added inside the next norm (fused add + norm):
+        #   residual_out = residual + x + attn;  x_out = mlp(norm(residual_out))  (x = previous mlp output)
+        # so the layer's hidden state is residual_out + x_out. The first layer gets residual None.
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm.forward_residual(x, residual)
+        x = self.self_attn(positions, x, kv_cache, meta)
+        x, residual = self.post_attention_layernorm.forward_residual(x, residual)
+        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
@@ -103,7 +115,9 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.utils.skip_init(nn.Embedding, hf_config.vocab_size, hf_config.hidden_size,
                                                device=device, dtype=dtype)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(hf_config, attn_backend, device, dtype)
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+        rotary_emb = RotaryEmbedding(hf_config, head_dim, device=device)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(hf_config, attn_backend, device, dtype, rotary_emb)
                                     for _ in range(hf_config.num_hidden_layers))
         self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, device=device, dtype=dtype)
 
@@ -126,19 +140,31 @@ class LlamaForCausalLM(nn.Module):
         self._shard_sizes = {"qkv_proj": [attn.q_size, attn.kv_size, attn.kv_size] if attn else [],
                              "gate_up_proj": [inter, inter]}
         self.requires_grad_(False)  # serving only; no autograd graph even outside inference_mode
+        self._lm_head_packed: torch.Tensor | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
         if len(kv_caches) != len(self.model.layers):
             raise ValueError(f"got {len(kv_caches)} kv caches for {len(self.model.layers)} layers")
-        h = self.model.embed_tokens(input_ids)
+        x = self.model.embed_tokens(input_ids)
+        residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            h = layer(positions, h, kv_cache, meta)
-        return self.model.norm(h)
+            x, residual = layer(positions, x, kv_cache, meta, residual)
+        if residual is None:  # no layers
+            return self.model.norm(x)
+        return self.model.norm.forward_residual(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight)
+        if self._lm_head_packed is None:
+            return F.linear(hidden, weight)
+        return packed_linear(hidden, weight, self._lm_head_packed)
+
+    def pack_weights(self) -> None:
+        # oneDNN-prepacked copies for float32 CPU matmuls (see layers/linear.py); run after every weight load.
+        pack_linear_weights(self)
+        self._lm_head_packed = (pack_weight(self.model.embed_tokens.weight) if self.lm_head is None
+                                else self.lm_head.packed_weight)
 
     def _num_shards(self, param_name: str) -> int:
         return len(self._shard_sizes.get(param_name.split(".")[-2], [param_name]))
@@ -176,6 +202,7 @@ class LlamaForCausalLM(nn.Module):
                    for name in params for shard in range(self._num_shards(name)) if (name, shard) not in loaded]
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:5]}")
+        self.pack_weights()
 
 
 # Same module tree, same weight names; only the config differs.

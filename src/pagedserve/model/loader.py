@@ -137,7 +137,7 @@ def _load_hf_dir(path: str, model_name: str, device: torch.device, dtype: torch.
     if not isinstance(tokenizer, PreTrainedTokenizerFast):
         raise ValueError(f"{path}: only fast (tokenizer.json) tokenizers are supported, got {type(tokenizer)}")
 
-    model = model_cls(hf_config, get_attention_backend(attn_backend), device=device, dtype=dtype)
+    model = model_cls(hf_config, get_attention_backend(attn_backend, device), device=device, dtype=dtype)
     model.load_weights(_iter_safetensors(files))
     return LoadedModel(model=model.eval(), hf_config=hf_config, tokenizer=tokenizer,
                        chat_template=getattr(tokenizer, "chat_template", None),

@@ -5,8 +5,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedserve import kernels
+
 
 class SiluAndMul(nn.Module):
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        ops = kernels.ops_for(gate_up)
+        if ops is not None and gate_up.dim() == 2 and gate_up.stride(1) == 1:
+            return ops.silu_and_mul(gate_up)  # one pass, no chunk/silu temporaries
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up

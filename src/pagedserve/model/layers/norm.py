@@ -1,8 +1,15 @@
-"""RMSNorm as Llama-family checkpoints expect it: statistics in float32, weight applied after casting back."""
+"""RMSNorm as Llama-family checkpoints expect it: statistics in float32, weight applied after casting back.
+
+forward_residual fuses the residual add that precedes every norm in a pre-norm decoder (vLLM's
+fused_add_rms_norm): residual += x, then x = norm(residual). On float32 CPU both run in one compiled
+kernel, in place; elsewhere the same arithmetic in torch ops.
+"""
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from pagedserve import kernels
 
 
 class RMSNorm(nn.Module):
@@ -13,7 +20,24 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ops = kernels.ops_for(x)
+        if ops is not None and x.dim() == 2 and self.weight.dtype == torch.float32:
+            return ops.rms_norm(x, self.weight, self.eps)
+        return self._forward_torch(x)
+
+    def _forward_torch(self, x: torch.Tensor) -> torch.Tensor:
         in_dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(in_dtype)
+
+    def forward_residual(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # Returns (norm(residual + x), residual + x). May overwrite x and residual: callers pass tensors
+        # they own (layer outputs), never parameters or user inputs.
+        ops = kernels.ops_for(x)
+        if (ops is not None and x.dim() == 2 and x.shape == residual.shape and residual.dtype == torch.float32
+                and x.stride(1) == 1 and residual.stride(1) == 1 and self.weight.dtype == torch.float32):
+            ops.fused_add_rms_norm_(x, residual, self.weight, self.eps)
+            return x, residual
+        residual = residual + x
+        return self._forward_torch(residual), residual

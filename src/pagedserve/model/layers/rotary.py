@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagedserve import kernels
+
 # "dynamic" (NTK) only rescales once a sequence outgrows max_position_embeddings, and the loader caps
 # max_model_len there, so its frequencies at that length (== default) are exact. "longrope" switches
 # frequency sets with the current sequence length, which one batch of mixed lengths cannot share: refused.
@@ -47,16 +49,33 @@ class RotaryEmbedding(nn.Module):
             raise ValueError(f"rotary dim {inv_freq.numel() * 2} != head_dim {head_dim}")
         # Not persistent: derived from the config, never read from a checkpoint.
         self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
+        self.max_positions = int(getattr(hf_config, "max_position_embeddings", 0) or 0)
+        # [max_positions, head_dim] = [cos | sin] of each position's angles, built on first kernel use.
+        # The model shares one instance across its layers, so there is one table per model.
+        self._cos_sin: torch.Tensor | None = None
 
     def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         # positions [T]; query [T, Hq, D]; key [T, Hkv, D]. Angles in float32 as in the reference model,
         # then cast to the activations' dtype.
+        ops = kernels.ops_for(query)
+        if ops is not None and self.max_positions and key.dtype == torch.float32:
+            # In place: q and k are this layer's fresh projections, never shared.
+            ops.rotary_embedding_(query, key, positions, self._table())
+            return query, key
         freqs = positions[:, None].float() * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         cos = (emb.cos() * self.attention_scaling).to(query.dtype)[:, None, :]
         sin = (emb.sin() * self.attention_scaling).to(query.dtype)[:, None, :]
         return query * cos + _rotate_half(query) * sin, key * cos + _rotate_half(key) * sin
+
+    def _table(self) -> torch.Tensor:
+        if self._cos_sin is None or self._cos_sin.device != self.inv_freq.device:
+            # Same float32 angles as forward's torch path (position * inv_freq), so the same values.
+            freqs = torch.arange(self.max_positions, device=self.inv_freq.device).float()[:, None] \
+                * self.inv_freq[None, :]
+            self._cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1) * self.attention_scaling
+        return self._cos_sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

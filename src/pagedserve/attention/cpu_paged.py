@@ -1,0 +1,41 @@
+"""CPU paged attention: the compiled kernel reads K/V through block tables in place (no gathered copies).
+
+One kernel call per layer writes this step's K/V and attends every sequence whose query is short (decode,
+small prefill chunks). Longer prefill chunks are compute-bound, where torch's blocked SDPA (GEMM-based)
+beats the kernel's dot-product loop; they go through the reference backend's per-sequence SDPA on a
+transient gather, which is small next to their compute. MAX_KERNEL_Q_LEN is the measured crossover
+(benchmarks/README.md, "Profile").
+"""
+from __future__ import annotations
+
+import torch
+
+from pagedserve.attention.metadata import AttentionMetadata
+from pagedserve.attention.reference import ReferenceAttentionBackend
+
+MAX_KERNEL_Q_LEN = 16
+
+
+class CpuPagedAttentionBackend:
+    name = "cpu"
+
+    def __init__(self, ops, max_kernel_q_len: int = MAX_KERNEL_Q_LEN) -> None:
+        self.ops = ops
+        self.max_kernel_q_len = max_kernel_q_len
+        self._reference = ReferenceAttentionBackend()
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        if query.device.type != "cpu" or query.dtype != torch.float32 or kv_cache.dtype != torch.float32:
+            return self._reference.forward(query, key, value, kv_cache, meta, scale)
+        limit = self.max_kernel_q_len
+        out = self.ops.paged_attention(query, key, value, kv_cache, meta.slot_mapping, meta.block_tables,
+                                       meta.seq_lens, meta.query_start_loc, scale, limit)
+        if limit >= 0 and max(meta.query_lens_list) > limit:
+            start = 0
+            for i, q_len in enumerate(meta.query_lens_list):
+                if q_len > limit:
+                    out[start:start + q_len] = self._reference._prefill_one(
+                        query[start:start + q_len], kv_cache, meta.block_tables[i], meta.seq_lens_list[i], scale)
+                start += q_len
+        return out

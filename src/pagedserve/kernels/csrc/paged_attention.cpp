@@ -1,0 +1,139 @@
+// Paged attention for float32 CPU. Registered as torch.ops.pagedserve.* (with layer_ops.cpp); built on first use by
+// pagedserve/kernels/__init__.py through torch.utils.cpp_extension and cached. Threads come from ATen's
+// pool (at::parallel_for), so they follow torch.set_num_threads and never oversubscribe it.
+//
+// paged_attention reads K/V in place through block tables: no per-request copies. One work item is a
+// tile of up to kTileQ query tokens of one sequence (x its kv heads); its rows are the tile's tokens x
+// the query heads, and it walks the sequence's blocks once with an online softmax:
+//
+//   for each block b (only up to the tile's last causal position):
+//     s[r][j] = scale * q_r . k_j          (only keys at or before row r's position)
+//     m_r' = max(m_r, max_j s[r][j]);  l_r = l_r * e^(m_r - m_r') + sum_j e^(s[r][j] - m_r')
+//     acc_r = acc_r * e^(m_r - m_r') + sum_j e^(s[r][j] - m_r') v_j
+//   out_r = acc_r / l_r
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "attention_tile.h"
+
+namespace {
+
+constexpr int64_t kTileQ = 16;
+
+void check_f32(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, name, " must be a float32 CPU tensor");
+  TORCH_CHECK(t.stride(-1) == 1, name, " must be contiguous in its last dimension");
+}
+
+void check_i64(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kLong && t.is_contiguous(), name,
+              " must be a contiguous int64 CPU tensor");
+}
+
+// Writes this step's K/V at slot_mapping, then attends every sequence whose query length is at most
+// max_q_len (all of them when max_q_len < 0). Rows of longer sequences are left for the caller.
+at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                           at::Tensor kv_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                           const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
+                           int64_t max_q_len) {
+  check_f32(query, "query");
+  check_f32(key, "key");
+  check_f32(value, "value");
+  TORCH_CHECK(kv_cache.is_contiguous() && kv_cache.dim() == 5 && kv_cache.size(0) == 2 &&
+                  kv_cache.scalar_type() == at::kFloat && kv_cache.device().is_cpu(),
+              "kv_cache must be a contiguous float32 [2, num_blocks, block_size, num_kv_heads, head_dim] tensor");
+  check_i64(slot_mapping, "slot_mapping");
+  check_i64(block_tables, "block_tables");
+  check_i64(seq_lens, "seq_lens");
+  check_i64(query_start_loc, "query_start_loc");
+  const int64_t num_tokens = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
+  const int64_t num_blocks = kv_cache.size(1), block_size = kv_cache.size(2), num_kv_heads = kv_cache.size(3);
+  TORCH_CHECK(kv_cache.size(4) == head_dim && key.size(1) == num_kv_heads && num_heads % num_kv_heads == 0,
+              "head shapes disagree");
+  TORCH_CHECK(slot_mapping.numel() == num_tokens && key.size(0) == num_tokens && value.size(0) == num_tokens,
+              "one slot per token");
+  const int64_t group = num_heads / num_kv_heads;
+  float* k_cache = kv_cache.data_ptr<float>();
+  float* v_cache = k_cache + kv_cache.stride(0);
+
+  // 1. Write K/V (a token sees its own key).
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const float* kp = key.data_ptr<float>();
+  const float* vp = value.data_ptr<float>();
+  const int64_t row = num_kv_heads * head_dim;
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < num_blocks * block_size, "slot out of range");
+    for (int64_t h = 0; h < num_kv_heads; ++h) {
+      std::copy_n(kp + t * key.stride(0) + h * key.stride(1), head_dim, k_cache + slots[t] * row + h * head_dim);
+      std::copy_n(vp + t * value.stride(0) + h * value.stride(1), head_dim, v_cache + slots[t] * row + h * head_dim);
+    }
+  }
+
+  // 2. Work items: (seq, tile) pairs, then x kv heads.
+  const int64_t num_seqs = seq_lens.numel();
+  const int64_t* qsl = query_start_loc.data_ptr<int64_t>();
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t table_width = block_tables.size(1);
+  std::vector<int64_t> items;  // seq, first query index in seq, n_q
+  for (int64_t i = 0; i < num_seqs; ++i) {
+    const int64_t q_len = qsl[i + 1] - qsl[i];
+    if (q_len <= 0 || (max_q_len >= 0 && q_len > max_q_len)) continue;
+    TORCH_CHECK(lens[i] >= q_len && (lens[i] + block_size - 1) / block_size <= table_width,
+                "seq_lens / block_tables disagree");
+    for (int64_t j = 0; j < q_len; j += kTileQ) {
+      items.push_back(i);
+      items.push_back(j);
+      items.push_back(std::min(kTileQ, q_len - j));
+    }
+  }
+  at::Tensor out = at::empty({num_tokens, num_heads, head_dim}, query.options());
+  // A work item takes all kv heads of a tile, so it streams each block's rows contiguously; with too few
+  // tiles to keep every thread busy (single-stream decode) the heads are split across items instead.
+  const int64_t num_tiles = static_cast<int64_t>(items.size() / 3);
+  const int64_t heads_per_item = num_tiles >= 2 * at::get_num_threads() ? num_kv_heads : 1;
+  const int64_t splits = num_kv_heads / heads_per_item;
+  const int64_t q_s0 = query.stride(0), q_s1 = query.stride(1);
+  at::parallel_for(0, num_tiles * splits, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch;
+    for (int64_t w = begin; w < end; ++w) {
+      const int64_t* it = items.data() + (w / splits) * 3;
+      const int64_t seq = it[0], j = it[1], n_q = it[2], h = (w % splits) * heads_per_item;
+      const int64_t tok0 = qsl[seq] + j;
+      pagedserve::Tile t;
+      t.q = query.data_ptr<float>() + tok0 * q_s0 + h * group * q_s1;
+      t.q_tok_stride = q_s0;
+      t.q_head_stride = q_s1;
+      t.out = out.data_ptr<float>() + tok0 * out.stride(0) + h * group * out.stride(1);
+      t.o_tok_stride = out.stride(0);
+      t.o_head_stride = out.stride(1);
+      t.k_cache = k_cache + h * head_dim;
+      t.v_cache = v_cache + h * head_dim;
+      t.slot_stride = row;
+      t.table = tables + seq * table_width;
+      t.block_size = block_size;
+      t.head_dim = head_dim;
+      t.group = group;
+      t.kv_heads = heads_per_item;
+      t.pos0 = lens[seq] - (qsl[seq + 1] - qsl[seq]) + j;
+      t.n_q = n_q;
+      t.scale = static_cast<float>(scale);
+      pagedserve::attend_tile(t, scratch);
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(pagedserve, m) {
+  m.def("paged_attention(Tensor query, Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping, "
+        "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale, int max_q_len) -> Tensor");
+  m.impl("paged_attention", c10::DispatchKey::CPU, paged_attention);
+}

@@ -1,0 +1,81 @@
+"""The compiled CPU attention kernel equals the reference backend (the oracle) and dense attention."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.attention.test_paged_attention import BLOCK_SIZE, CHUNKS, HEAD_DIM, dense_causal
+from tests.paged_metadata import build_attention_metadata, chunk_schedule, scattered_block_tables
+from pagedserve import kernels
+from pagedserve.attention.backend import get_attention_backend
+from pagedserve.attention.reference import ReferenceAttentionBackend
+
+ops = kernels.load()
+pytestmark = pytest.mark.skipif(ops is None, reason="CPU kernels could not be built here")
+
+
+def _backend(max_kernel_q_len: int):
+    from pagedserve.attention.cpu_paged import CpuPagedAttentionBackend
+
+    return CpuPagedAttentionBackend(ops, max_kernel_q_len)
+
+
+@pytest.mark.parametrize("max_kernel_q_len", [-1, 4, 0])  # all in the kernel / mixed / all via SDPA
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2), (6, 1)])
+def test_kernel_matches_dense(max_kernel_q_len: int, num_heads: int, num_kv_heads: int) -> None:
+    gen = torch.Generator().manual_seed(0)
+    total_lens = [sum(c) for c in CHUNKS]
+    scale = HEAD_DIM ** -0.5
+    qs = [torch.randn(n, num_heads, HEAD_DIM, generator=gen) for n in total_lens]
+    ks = [torch.randn(n, num_kv_heads, HEAD_DIM, generator=gen) for n in total_lens]
+    vs = [torch.randn(n, num_kv_heads, HEAD_DIM, generator=gen) for n in total_lens]
+    expected = [dense_causal(q, k, v, scale) for q, k, v in zip(qs, ks, vs)]
+    num_blocks = 40
+    tables = scattered_block_tables(total_lens, BLOCK_SIZE, num_blocks)
+    kv_cache = 100 * torch.randn(2, num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM, generator=gen)
+    backend = _backend(max_kernel_q_len)
+    got = [torch.full_like(e, float("nan")) for e in expected]
+    for step in chunk_schedule(CHUNKS):
+        meta = build_attention_metadata([(c, q) for _, c, q in step], [tables[i] for i, _, _ in step], BLOCK_SIZE)
+        q = torch.cat([qs[i][c:c + n] for i, c, n in step])
+        k = torch.cat([ks[i][c:c + n] for i, c, n in step])
+        v = torch.cat([vs[i][c:c + n] for i, c, n in step])
+        out = backend.forward(q, k, v, kv_cache, meta, scale)
+        at = 0
+        for i, c, n in step:
+            got[i][c:c + n] = out[at:at + n]
+            at += n
+    for i, (g, e) in enumerate(zip(got, expected)):
+        torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-5, msg=lambda m: f"sequence {i}: {m}")
+
+
+@pytest.mark.parametrize("head_dim,block_size", [(64, 16), (128, 8), (40, 16)])
+def test_kernel_matches_reference(head_dim: int, block_size: int) -> None:
+    # Model-like shapes: GQA group 3, query tiles of 16 crossing block edges, non-contiguous q/k/v views
+    # (slices of one fused projection, as the model passes them), long contexts.
+    gen = torch.Generator().manual_seed(1)
+    num_heads, num_kv_heads = 9, 3
+    seqs = [(0, 37), (100, 1), (5, 1), (64, 17), (250, 1), (0, 1), (31, 2)]  # (context, query)
+    lens = [c + q for c, q in seqs]
+    num_blocks = sum(-(-n // block_size) for n in lens) + 8
+    tables = scattered_block_tables(lens, block_size, num_blocks, seed=3)
+    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    meta = build_attention_metadata(seqs, tables, block_size)
+    n = sum(q for _, q in seqs)
+    fused = torch.randn(n, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen)
+    q, k, v = fused.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    q = q.view(n, num_heads, head_dim)
+    k, v = k.view(n, num_kv_heads, head_dim), v.view(n, num_kv_heads, head_dim)
+    scale = head_dim ** -0.5
+    ref_cache = cache.clone()
+    expected = ReferenceAttentionBackend().forward(q, k, v, ref_cache, meta, scale)
+    for limit in (-1, 16):
+        got_cache = cache.clone()
+        got = _backend(limit).forward(q, k, v, got_cache, meta, scale)
+        torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
+        assert torch.equal(got_cache, ref_cache)
+
+
+def test_auto_backend_picks_kernel_on_cpu() -> None:
+    assert get_attention_backend("auto", "cpu").name == "cpu"
+    assert get_attention_backend("reference").name == "reference"
