@@ -89,9 +89,11 @@ def main() -> None:
     p.add_argument("--single", type=int, default=0, help="only measure single-stream decode of N tokens")
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--num-threads", type=int, default=None)
+    p.add_argument("--attention-backend", default="auto")
     args = p.parse_args()
 
-    kwargs = {}
+    kwargs = {"num_threads": args.num_threads, "attention_backend": args.attention_backend}
     if args.max_num_seqs:
         kwargs["max_num_seqs"] = args.max_num_seqs
     if args.max_num_batched_tokens:
