@@ -1,8 +1,10 @@
 """Where an offline run's time goes: per-phase wall time of the engine step, plus torch.profiler op groups.
 
-    python benchmarks/profile_step.py --num-prompts 16            # phase breakdown + tokens/s
-    python benchmarks/profile_step.py --num-prompts 16 --ops      # also the top torch ops (slower)
+    python benchmarks/profile_step.py --num-prompts 64            # phase breakdown + tokens/s
+    python benchmarks/profile_step.py --num-prompts 16 --ops      # also torch op groups (slower; ~6 GB RAM)
     python benchmarks/profile_step.py --single 128                # single-stream decode ms/token only
+    PAGEDSERVE_KERNELS=0 python benchmarks/profile_step.py --attention-backend reference ...
+                                                                  # every CPU fast path off: the baseline
 
 Phases wrap the engine's own methods (instance attributes shadow them), so the engine runs unchanged:
 schedule, build inputs (metadata), model forward (split into linears / attention / other by the profiler),
@@ -70,10 +72,12 @@ def single_stream(llm: LLM, num_tokens: int, prompt_len: int = 64) -> float:
 
 
 def op_group(name: str) -> str:
-    if name in ("aten::addmm", "aten::mm", "aten::linear", "aten::matmul", "aten::bmm"):
+    if name in ("aten::addmm", "aten::mm", "aten::linear", "aten::matmul", "aten::bmm",
+                "mkldnn::_linear_pointwise"):
         return "matmul"
-    if "scaled_dot_product" in name or "flash_attention" in name or name in ("aten::index", "aten::index_copy_"):
-        return "attention(sdpa+gather+write)"
+    if ("scaled_dot_product" in name or "flash_attention" in name or name in ("aten::index", "aten::index_copy_")
+            or name == "pagedserve::paged_attention"):
+        return "attention"
     if name in ("aten::argmax", "aten::topk", "aten::sort", "aten::softmax", "aten::exponential_"):
         return "sampling ops"
     return "other: " + name

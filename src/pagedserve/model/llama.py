@@ -21,7 +21,8 @@ from torch import nn
 from pagedserve.attention.backend import AttentionBackend
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.model.layers.activation import SiluAndMul
-from pagedserve.model.layers.linear import Linear, pack_linear_weights, pack_weight, packed_linear
+from pagedserve.model.layers.linear import (Linear, find_exact_blocks, pack_linear_weights, pack_weight,
+                                            packed_linear, quant_linear)
 from pagedserve.model.layers.norm import RMSNorm
 from pagedserve.model.layers.rotary import RotaryEmbedding
 
@@ -98,9 +99,9 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        # The residual stream is carried separately and added inside the next norm (fused add + norm):
-        #   residual_out = residual + x + attn;  x_out = mlp(norm(residual_out))  (x = previous mlp output)
-        # so the layer's hidden state is residual_out + x_out. The first layer gets residual None.
+        # vLLM's residual stream: each norm first adds the pending branch output into the residual (one
+        # fused add + norm):  residual += x;  x = attn(norm(residual));  residual += x;  x = mlp(norm(residual))
+        # The hidden state after the layer is x + residual. The first layer gets residual None.
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
@@ -141,6 +142,7 @@ class LlamaForCausalLM(nn.Module):
                              "gate_up_proj": [inter, inter]}
         self.requires_grad_(False)  # serving only; no autograd graph even outside inference_mode
         self._lm_head_packed: torch.Tensor | None = None
+        self._lm_head_blocks = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -156,15 +158,21 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        logits = quant_linear(hidden, self._lm_head_blocks)
+        if logits is not None:
+            return logits
         if self._lm_head_packed is None:
             return F.linear(hidden, weight)
         return packed_linear(hidden, weight, self._lm_head_packed)
 
     def pack_weights(self) -> None:
-        # oneDNN-prepacked copies for float32 CPU matmuls (see layers/linear.py); run after every weight load.
+        # The float32 CPU fast paths' weight copies (layers/linear.py); run after every weight load.
         pack_linear_weights(self)
-        self._lm_head_packed = (pack_weight(self.model.embed_tokens.weight) if self.lm_head is None
-                                else self.lm_head.packed_weight)
+        if self.lm_head is None:
+            self._lm_head_packed = pack_weight(self.model.embed_tokens.weight)
+            self._lm_head_blocks = find_exact_blocks(self.model.embed_tokens.weight)
+        else:
+            self._lm_head_packed, self._lm_head_blocks = self.lm_head.packed_weight, self.lm_head.exact_blocks
 
     def _num_shards(self, param_name: str) -> int:
         return len(self._shard_sizes.get(param_name.split(".")[-2], [param_name]))

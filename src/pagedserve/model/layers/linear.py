@@ -1,11 +1,15 @@
-"""Linear layers whose float32 CPU matmuls run on oneDNN with a weight prepacked once after loading.
+"""Linear layers with two float32 CPU fast paths, both set up once after the weights load (pack()).
 
-On this class of CPU (AVX-512) torch's default fp32 linear (MKL sgemm on a [out, in] weight) reaches
-about 110-160 GFLOP/s on two cores; oneDNN with a blocked, prepacked weight reaches about 170-210 at every
-batch size from 16 tokens up (measurements in benchmarks/README.md, "Profile"). The packed copy is an
-opaque mkldnn tensor kept beside the ordinary parameter, which stays the source of truth: load_weights
-writes the parameter and then calls pack_linear_weights again. CUDA, other dtypes and torch builds
-without oneDNN keep F.linear.
+- Batched tokens (> QUANT_MAX_TOKENS rows): oneDNN with a blocked, prepacked weight. On this class of CPU
+  (AVX-512) torch's default fp32 linear (MKL sgemm on the [out, in] weight) reaches about 110-160 GFLOP/s
+  on two cores, oneDNN about 170-210 from 16 tokens up.
+- A few tokens (decode at batch 1-8): bound by reading the weights, not by arithmetic. When the fp32
+  weight is exactly GGUF block values (the embedded model is Q4_1 / Q8_0), a lossless block copy
+  (layers/quant.py) is read instead: 0.75 bytes per weight instead of 4, the same fp32 products.
+
+The fp32 parameter stays the source of truth: load_weights writes it, then packs again. CUDA, other
+dtypes and builds without oneDNN or the compiled kernels keep F.linear. Measurements: benchmarks/README.md,
+"Profile".
 """
 from __future__ import annotations
 
@@ -13,9 +17,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedserve import kernels
+
 
 def onednn_available() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    return (kernels.fast_paths_enabled() and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
@@ -33,14 +40,49 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | 
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+# Up to this many tokens the block copy wins; above it oneDNN's fp32 GEMM (compute-bound) is faster.
+# Measured at 1 thread, whole model: 1 token 13.7 vs 45.7 ms, 8 tokens 45 vs 69, 16 tokens 98 vs 86.
+QUANT_MAX_TOKENS = 8
+
+
+def find_exact_blocks(weight: torch.Tensor, formats: tuple[str, ...] = ("q4_1", "q8_0")):
+    # (fmt, tensors) for quant_linear when `weight` is exactly blocks of one of `formats`, else None. The
+    # compiled search (one pass, ~0.2 s for the whole model; a plain fp32 weight fails at its first block)
+    # does what layers/quant.py spells out in torch.
+    if weight.device.type != "cpu" or weight.dtype != torch.float32:
+        return None
+    ops = kernels.load()
+    if ops is None:
+        return None
+    for fmt in formats:
+        qs, scales = (ops.find_q4_1 if fmt == "q4_1" else ops.find_q8_0)(weight.detach().contiguous())
+        if qs.numel():
+            return fmt, (qs, scales)
+    return None
+
+
+def quant_linear(x: torch.Tensor, blocks, bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    # y = x W^T through the block copy, or None when this call should take the fp32 path.
+    if blocks is None or x.shape[0] > QUANT_MAX_TOKENS or x.dim() != 2 or x.stride(1) != 1:
+        return None
+    ops = kernels.ops_for(x)
+    if ops is None:
+        return None
+    fmt, (qs, scales) = blocks
+    return (ops.gemm_q4_1 if fmt == "q4_1" else ops.gemm_q8_0)(x, qs, scales, bias)
+
+
 class Linear(nn.Linear):
     packed_weight: torch.Tensor | None = None
+    exact_blocks = None  # ("q4_1", (qs, dm)) / ("q8_0", (qs, d)) when the weight is exactly such blocks
 
     def pack(self) -> None:
         self.packed_weight = pack_weight(self.weight)
+        self.exact_blocks = find_exact_blocks(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return packed_linear(x, self.weight, self.packed_weight, self.bias)
+        y = quant_linear(x, self.exact_blocks, self.bias)
+        return y if y is not None else packed_linear(x, self.weight, self.packed_weight, self.bias)
 
 
 def pack_linear_weights(module: nn.Module) -> None:
