@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 from dataclasses import dataclass
 
 # Below this temperature a request is greedy: dividing logits by ~0 would overflow, and the limit of
@@ -41,6 +42,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None  # token id -> value added to its logit before sampling
+    allowed_token_ids: list[int] | None = None  # sample only among these tokens
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -50,6 +53,13 @@ class SamplingParams:
         else:
             self.stop = list(self.stop)
         self.stop_token_ids = [] if self.stop_token_ids is None else [int(t) for t in self.stop_token_ids]
+        if self.logit_bias is not None:
+            try:
+                self.logit_bias = {int(t): float(v) for t, v in self.logit_bias.items()}
+            except (TypeError, ValueError, AttributeError) as e:
+                raise ValueError(f"logit_bias must map token ids to numbers, got {self.logit_bias!r}") from e
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = [int(t) for t in self.allowed_token_ids]
         self._verify()
         if 0.0 < self.temperature < MIN_RANDOM_TEMPERATURE:
             self.temperature = MIN_RANDOM_TEMPERATURE
@@ -87,11 +97,17 @@ class SamplingParams:
             raise ValueError(f"logprobs must be non-negative, got {self.logprobs}")
         if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
             raise ValueError(f"prompt_logprobs must be non-negative, got {self.prompt_logprobs}")
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            raise ValueError("allowed_token_ids must not be empty")
+        if self.logit_bias and not all(math.isfinite(v) for v in self.logit_bias.values()):
+            raise ValueError("logit_bias values must be finite")
         if any(not s for s in self.stop):
             raise ValueError("stop cannot contain an empty string")
         if self.temperature < SAMPLING_EPS and self.n > 1:
             # n greedy samples would be n copies of one answer; vLLM rejects this too.
             raise ValueError(f"n must be 1 when using greedy sampling, got {self.n}")
+        if self.temperature < SAMPLING_EPS and (self.best_of or 1) > 1:
+            raise ValueError(f"best_of must be 1 when using greedy sampling, got {self.best_of}")
 
     @property
     def is_greedy(self) -> bool:
@@ -109,7 +125,10 @@ class SamplingParams:
                 or self.repetition_penalty != 1.0)
 
     def clone(self) -> SamplingParams:
-        return dataclasses.replace(self, stop=list(self.stop), stop_token_ids=list(self.stop_token_ids))
+        return dataclasses.replace(
+            self, stop=list(self.stop), stop_token_ids=list(self.stop_token_ids),
+            logit_bias=None if self.logit_bias is None else dict(self.logit_bias),
+            allowed_token_ids=None if self.allowed_token_ids is None else list(self.allowed_token_ids))
 
 
 @dataclass(slots=True)

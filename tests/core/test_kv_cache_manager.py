@@ -43,6 +43,25 @@ def test_prefix_hit_reuses_full_blocks_and_recomputes_last_token():
     assert [h.block_id for h in hits] == [0] and n == 4
 
 
+def test_prompt_logprobs_request_fills_the_cache_but_never_reads_it():
+    # Its cached positions would not be computed, so their prompt logprobs would be missing.
+    kv = KVCacheManager(num_blocks=10, block_size=4)
+    a = make_request("a", prompt_len=10)
+    a.params.prompt_logprobs = 1
+    assert kv.get_computed_blocks(a) == ([], 0)
+    kv.allocate_slots(a, 10)
+    a.num_computed_tokens = 10
+    kv.cache_blocks(a)
+    assert len(kv.pool.cached) == 2
+    b = make_request("b", prompt_len=10)
+    b.params.prompt_logprobs = 0
+    assert kv.get_computed_blocks(b) == ([], 0)
+    kv.record_prefix_query(b, 0)
+    assert kv.prefix_stats.num_queries == 0      # it never asked the cache
+    c = make_request("c", prompt_len=10)         # an ordinary request still hits a's blocks
+    assert kv.get_computed_blocks(c)[1] == 8
+
+
 def test_free_blocks_stay_cached_and_count_against_allocation():
     kv = KVCacheManager(num_blocks=3, block_size=4)
     a = make_request("a", prompt_len=9)

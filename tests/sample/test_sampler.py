@@ -194,3 +194,47 @@ def test_sampling_never_returns_masked_token_under_extreme_temperature():
     logits[:, 3] = 0.0
     logits[:, 5] = -200.0
     assert set(run(logits, [row(temperature=100.0) for _ in range(200)]).sampled_token_ids) <= {3, 5}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_logit_bias_moves_greedy_and_random_rows(device):
+    logits = torch.randn(4, 40, device=device)
+    low = logits.argmin(-1).tolist()
+    rows = [row(temperature=0.0, logit_bias={low[0]: 100.0}), row(temperature=0.0),
+            row(temperature=1.0, logit_bias={low[2]: 100.0}), row(temperature=0.0, logit_bias={low[3]: -0.0})]
+    batch = SamplingBatch.build(rows, 40, device)
+    assert not batch.no_processing
+    out = sample(logits, batch).sampled_token_ids
+    argmax = logits.argmax(-1).tolist()
+    assert out == [low[0], argmax[1], low[2], argmax[3]]
+    # -100 removes the argmax in practice; the caller's logits are untouched.
+    before = logits.clone()
+    banned = run(logits[:1], [row(temperature=0.0, logit_bias={argmax[0]: -100.0})]).sampled_token_ids[0]
+    assert banned == logits[0].topk(2).indices[1].item() and torch.equal(logits, before)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_allowed_token_ids_restrict_every_draw(device):
+    vocab = 30
+    logits = torch.randn(8, vocab, device=device)
+    allowed = [3, 17, 29]
+    rows = [row(temperature=1.0, allowed_token_ids=allowed) for _ in range(4)] + [row(temperature=1.0)] * 2 \
+        + [row(temperature=0.0, allowed_token_ids=allowed), row(temperature=0.0)]
+    for _ in range(20):
+        out = run(logits, rows).sampled_token_ids
+        assert all(t in allowed for t in out[:4] + out[6:7])
+    assert out[6] == allowed[int(logits[6, allowed].argmax())]
+    assert out[7] == logits[7].argmax().item()
+    # Logprobs still describe the raw distribution, not the restricted one.
+    raw = run(logits[:1], [row(temperature=0.0, allowed_token_ids=allowed, logprobs=1)])
+    assert raw.logprobs[0] == pytest.approx(logits[0].log_softmax(-1)[raw.sampled_token_ids[0]].item(), abs=1e-5)
+
+
+def test_logit_bias_and_allowed_ids_validation():
+    assert SamplingParams(logit_bias={"5": 1}).logit_bias == {5: 1.0}
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        SamplingParams(allowed_token_ids=[])
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias={"x": 1.0})
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias={1: float("nan")})

@@ -43,6 +43,10 @@ CHATS = [[{"role": "user", "content": "What is the capital of France?"}],
          [{"role": "system", "content": "You answer in one short sentence."},
           {"role": "user", "content": "Name a primary color."}]]
 GREEDY_MAX_TOKENS = 24
+# echo with logprobs: prompt logprobs then generated ones, compared with the offline LLM's.
+ECHO_PROMPT = "The capital of France is"
+ECHO_MAX_TOKENS = 6
+ECHO_LOGPROBS = 2
 
 
 @pytest.fixture(scope="session")
@@ -60,6 +64,9 @@ def expected():
         out["token_ids_text"] = llm.get_tokenizer().decode(TOKEN_ID_PROMPT)
         for conv in CHATS:
             out["chat"].append(llm.chat(conv, params, use_tqdm=False)[0])
+        echo_params = SamplingParams(temperature=0.0, max_tokens=ECHO_MAX_TOKENS, ignore_eos=True,
+                                     logprobs=ECHO_LOGPROBS, prompt_logprobs=ECHO_LOGPROBS)
+        out["echo"] = llm.generate(ECHO_PROMPT, echo_params, use_tqdm=False)[0]
     finally:
         del llm
         gc.collect()

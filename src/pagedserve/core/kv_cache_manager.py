@@ -78,7 +78,7 @@ class KVCacheManager:
         return hashes
 
     def get_computed_blocks(self, req: Request) -> tuple[list[KVBlock], int]:
-        if not self.enable_caching or self.req_blocks.get(req.req_id):
+        if not self.enable_caching or req.skip_prefix_cache_reads or self.req_blocks.get(req.req_id):
             return [], 0
         # The last token is always recomputed: its logits are needed to sample the next one.
         max_hit_blocks = (req.num_tokens - 1) // self.block_size
@@ -91,7 +91,7 @@ class KVCacheManager:
         return hits, len(hits) * self.block_size
 
     def record_prefix_query(self, req: Request, num_hit_tokens: int) -> None:
-        if self.enable_caching:
+        if self.enable_caching and not req.skip_prefix_cache_reads:  # it never asked the cache
             self.prefix_stats.num_queries += req.num_tokens
             self.prefix_stats.num_hits += num_hit_tokens
 

@@ -31,6 +31,18 @@ class SchedulerOutput:
 
 
 @dataclass(slots=True)
+class PromptLogprobsChunk:
+    # What one step computed for one request's prompt logprobs: the logits row at position p scores prompt
+    # token p + 1, so a chunk over positions [s, e) scores prompt tokens first_index = s + 1 .. e (the row
+    # at the last prompt position scores the first output token and belongs to the sampler instead).
+    first_index: int
+    token_ids: list[int]                          # the prompt tokens scored
+    logprobs: list[float]                         # of each of them
+    ranks: list[int]                              # 1-based rank of each of them
+    top_logprobs: list[list[tuple[int, float]]]   # per token, (token id, logprob) most likely first
+
+
+@dataclass(slots=True)
 class ModelRunnerOutput:
     # One entry per scheduled request with sample=True, in plan order.
     req_ids: list[str]
@@ -38,6 +50,8 @@ class ModelRunnerOutput:
     logprobs: list[float] | None = None                      # of each sampled token
     top_logprobs: list[list[tuple[int, float]]] | None = None  # per request, [] when not asked
     ranks: list[int] | None = None                           # rank of each sampled token
+    # Only requests with SamplingParams.prompt_logprobs whose step covered prompt positions; None when none.
+    prompt_logprobs: dict[str, PromptLogprobsChunk] | None = None
 
 
 @dataclass(frozen=True, slots=True)

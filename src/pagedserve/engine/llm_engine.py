@@ -11,13 +11,14 @@ import torch
 from pagedserve.config import EngineConfig
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.scheduler import Scheduler
-from pagedserve.core.scheduler_output import ModelRunnerOutput
-from pagedserve.engine.detokenizer import IncrementalDetokenizer, decode_token
+from pagedserve.core.scheduler_output import ModelRunnerOutput, PromptLogprobsChunk
+from pagedserve.engine.detokenizer import IncrementalDetokenizer
+from pagedserve.engine.logprobs import TokenTexts, extend_prompt_logprobs, logprob_entry
 from pagedserve.engine.request import Request, RequestStatus
 from pagedserve.engine.processor import Processor, PromptInput
 from pagedserve.metrics.stats import EngineStats, RequestStats
 from pagedserve.model.loader import load_model
-from pagedserve.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedserve.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.worker.kv_cache import allocate_host_caches, allocate_kv_caches, kv_bytes_per_block
 from pagedserve.worker.memory import plan_num_blocks
@@ -46,6 +47,9 @@ class _Group:
     # best_of > n: the best n samples by cumulative logprob are returned once all have finished.
     num_returned: int | None = None
     keep_logprobs: bool = True
+    # Per request, not per sample: only the first sample computes them (see _child_params); [None] + one
+    # entry per prompt token once its prefill is done.
+    prompt_logprobs: PromptLogprobs | None = None
 
     @property
     def finished(self) -> bool:
@@ -63,6 +67,7 @@ class LLMEngine:
         loaded = load_model(config.model.model, device, dtype, config.model.attention_backend)
         self.model_name = loaded.model_name
         self.tokenizer = loaded.tokenizer
+        self.token_texts = TokenTexts(loaded.tokenizer)
         self.hf_config = loaded.hf_config
         max_len = config.model.max_model_len or loaded.max_model_len
         if max_len > loaded.max_model_len:
@@ -109,7 +114,10 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt_text, prompt_ids = self.processor.tokenize(prompt)
         max_tokens = self.processor.resolve_max_tokens(prompt_ids, params)
+        self.processor.check_token_ids(params)
         group = _Group(request_id, prompt_text, prompt_ids)
+        if params.prompt_logprobs is not None:
+            group.prompt_logprobs = [None]  # nothing predicts the first prompt token
         num_samples = params.best_of or params.n
         if num_samples > params.n:
             # Ranking needs each sample's cumulative logprob, so the sampler must report logprobs.
@@ -156,6 +164,8 @@ class LLMEngine:
         updated = self.scheduler.update(plan, result)
         now = time.monotonic()
         self._record_logprobs(result)
+        if result.prompt_logprobs:
+            self._record_prompt_logprobs(result.prompt_logprobs)
         touched: dict[str, _Group] = {}
         for req in updated:
             seq = self.seqs[req.req_id]
@@ -191,13 +201,16 @@ class LLMEngine:
             seq = self.seqs.get(req_id)
             if seq is None or seq.logprobs is None:
                 continue
-            tok = result.sampled_token_ids[j]
             rank = result.ranks[j] if result.ranks is not None else None
-            entry = {tok: Logprob(result.logprobs[j], rank, decode_token(self.tokenizer, tok))}
-            for r, (t, lp) in enumerate(result.top_logprobs[j]):
-                if t not in entry:
-                    entry[t] = Logprob(lp, r + 1, decode_token(self.tokenizer, t))
-            seq.logprobs.append(entry)
+            seq.logprobs.append(logprob_entry(self.token_texts, result.sampled_token_ids[j], result.logprobs[j],
+                                              rank, result.top_logprobs[j]))
+
+    def _record_prompt_logprobs(self, chunks: dict[str, PromptLogprobsChunk]) -> None:
+        for req_id, chunk in chunks.items():
+            seq = self.seqs.get(req_id)
+            group = self.groups.get(seq.group_id) if seq is not None else None
+            if group is not None and group.prompt_logprobs is not None:
+                extend_prompt_logprobs(group.prompt_logprobs, chunk, self.token_texts)
 
     def _make_output(self, group: _Group) -> RequestOutput:
         completions = []
@@ -216,7 +229,8 @@ class LLMEngine:
             completions = _best_of(completions, group) if group.finished else []
         first = group.seqs[0].request
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, completions,
-                             group.finished, num_cached_tokens=first.num_cached_tokens,
+                             group.finished, prompt_logprobs=group.prompt_logprobs,
+                             num_cached_tokens=first.num_cached_tokens,
                              metrics=RequestStats.from_request(first))
 
     def _retire(self, group: _Group) -> None:
@@ -237,4 +251,7 @@ def _best_of(completions: list[CompletionOutput], group: _Group) -> list[Complet
 
 def _child_params(params: SamplingParams, index: int) -> SamplingParams:
     seed = None if params.seed is None else params.seed + index
-    return dataclasses.replace(params, n=1, best_of=None, seed=seed)
+    # Prompt logprobs belong to the request: the first sample computes them, the others fork its prompt
+    # blocks (or, failing that, may take prefix-cache hits) and need not score the prompt again.
+    prompt_logprobs = params.prompt_logprobs if index == 0 else None
+    return dataclasses.replace(params, n=1, best_of=None, seed=seed, prompt_logprobs=prompt_logprobs)

@@ -53,6 +53,14 @@ class Processor:
                              f"{len(prompt_ids)} and max_tokens asks for {params.max_tokens} more")
         return params.max_tokens
 
+    def check_token_ids(self, params: SamplingParams) -> None:
+        # Token ids in the params index [V] logits rows; out-of-vocabulary ids would fail inside a batched
+        # step and take the other requests of that step down with them, so they are refused here.
+        for name, ids in (("allowed_token_ids", params.allowed_token_ids), ("logit_bias", params.logit_bias)):
+            bad = [t for t in ids or () if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"{name} must be token ids in [0, {self.vocab_size}), got {bad[:5]}")
+
     def eos_token_ids(self, params: SamplingParams) -> tuple[int, ...]:
         return self._eos
 

@@ -61,6 +61,12 @@ class Request:
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
 
+    @property
+    def skip_prefix_cache_reads(self) -> bool:
+        # Prompt logprobs need the logits of every prompt position; a prefix-cache hit would skip computing
+        # the cached ones (vLLM makes the same choice). Such a request still fills the cache for others.
+        return self.params.prompt_logprobs is not None
+
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)

@@ -1,8 +1,8 @@
 """Batched next-token sampling over logits rows [N, V].
 
-Order per step (as in vLLM): min_tokens masking -> repetition / frequency / presence penalties -> greedy rows
-take the argmax; random rows go through temperature -> top-k -> top-p -> min-p -> one draw. Logprobs describe
-the raw model distribution (log_softmax before any of the above), which is vLLM's default.
+Order per step (as in vLLM): allowed_token_ids -> logit_bias -> min_tokens masking -> repetition / frequency /
+presence penalties -> greedy rows take the argmax; random rows go through temperature -> top-k -> top-p ->
+min-p -> one draw. Logprobs describe the raw model distribution (log_softmax before any of the above), which is vLLM's default.
 
 A draw is an exponential race: argmax(p / q) with q ~ Exp(1) i.i.d. picks token i with probability p_i, and
 needs neither normalized probabilities nor a cumulative sum. A seeded row draws its q from its own generator,
@@ -54,6 +54,11 @@ class SamplingBatch:
     # Flat (row, token) pairs to ban: stop/eos tokens of rows still short of min_tokens.
     banned_rows: torch.Tensor | None = None
     banned_token_ids: torch.Tensor | None = None
+    # Flat (row, token, value) triples of logit_bias; [N, V] bool mask of allowed_token_ids (True = keep).
+    bias_rows: torch.Tensor | None = None
+    bias_token_ids: torch.Tensor | None = None
+    bias_values: torch.Tensor | None = None
+    allowed_mask: torch.Tensor | None = None
     generators: list[torch.Generator | None] = field(default_factory=list)
     num_logprobs: list[int | None] = field(default_factory=list)
     max_num_logprobs: int | None = None  # None: no row asked for logprobs
@@ -61,7 +66,7 @@ class SamplingBatch:
     @property
     def no_processing(self) -> bool:
         return (self.all_greedy and self.output_counts is None and self.banned_rows is None
-                and self.max_num_logprobs is None)
+                and self.bias_rows is None and self.allowed_mask is None and self.max_num_logprobs is None)
 
     @classmethod
     def build(cls, rows: list[SamplingRow], vocab_size: int, device: torch.device | str) -> SamplingBatch:
@@ -105,6 +110,18 @@ class SamplingBatch:
         if banned_rows:
             batch.banned_rows = vec(banned_rows, torch.int64)
             batch.banned_token_ids = vec(banned_ids, torch.int64)
+        biased = [(i, t, v) for i, p in enumerate(params) for t, v in (p.logit_bias or {}).items()]
+        if biased:
+            rows_, ids_, values = zip(*biased)
+            batch.bias_rows, batch.bias_token_ids = vec(rows_, torch.int64), vec(ids_, torch.int64)
+            batch.bias_values = vec(values)
+        if any(p.allowed_token_ids is not None for p in params):
+            mask = torch.ones(batch.num_rows, vocab_size, dtype=torch.bool, device=device)
+            for i, p in enumerate(params):
+                if p.allowed_token_ids is not None:
+                    mask[i] = False
+                    mask[i, vec(p.allowed_token_ids, torch.int64)] = True
+            batch.allowed_mask = mask
         return batch
 
     def _build_penalties(self, rows: list[SamplingRow], device: torch.device) -> None:
@@ -154,6 +171,10 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     # A private fp32 copy: the caller's logits stay intact and raw logprobs come from them.
     logits = logits.to(torch.float32, copy=True)
     raw_logprobs = logits.log_softmax(dim=-1) if batch.max_num_logprobs is not None else None
+    if batch.allowed_mask is not None:
+        logits.masked_fill_(~batch.allowed_mask, _NEG_INF)
+    if batch.bias_rows is not None:
+        logits.index_put_((batch.bias_rows, batch.bias_token_ids), batch.bias_values, accumulate=True)
     if batch.banned_rows is not None:
         logits[batch.banned_rows, batch.banned_token_ids] = _NEG_INF
     if batch.output_counts is not None:

@@ -50,24 +50,38 @@ class _SamplingRequest(OpenAIBaseModel):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # OpenAI: token id (as a string key) -> bias in [-100, 100] added to its logit. vLLM extra: allowed_token_ids.
     logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[int] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # vLLM extra: top-k logprobs of every prompt token, returned as `prompt_logprobs` (non-streamed only).
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _check_prompt_logprobs(self) -> Any:
+        if self.stream and self.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs is not available with stream=true")  # as in vLLM
+        return self
 
     @model_validator(mode="after")
     def _check_common(self) -> Any:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported")
+        for token, bias in (self.logit_bias or {}).items():
+            if not token.strip().isdigit():
+                raise ValueError(f"logit_bias keys must be token ids, got {token!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {token}")
         return self
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def to_sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def to_sampling_params(self, max_tokens: int | None, logprobs: int | None, best_of: int | None = None,
+                           prompt_logprobs: int | None = None) -> SamplingParams:
         # Absent fields take SamplingParams' defaults (vLLM's), not OpenAI's null.
         def given(**kwargs: Any) -> dict[str, Any]:
             return {k: v for k, v in kwargs.items() if v is not None}
@@ -77,7 +91,9 @@ class _SamplingRequest(OpenAIBaseModel):
             ignore_eos=self.ignore_eos, stop=self.stop, stop_token_ids=self.stop_token_ids,
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
-            include_stop_str_in_output=self.include_stop_str_in_output,
+            include_stop_str_in_output=self.include_stop_str_in_output, best_of=best_of,
+            prompt_logprobs=prompt_logprobs,
+            logit_bias=self.logit_bias or None, allowed_token_ids=self.allowed_token_ids,
             **given(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
                     seed=self.seed, presence_penalty=self.presence_penalty,
                     frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty))
@@ -98,11 +114,18 @@ class CompletionRequest(_SamplingRequest):
             raise ValueError("prompt must not be empty")
         if self.suffix:
             raise ValueError("suffix is not supported")
-        if self.best_of is not None and self.best_of != self.n:
-            raise ValueError("best_of different from n is not supported")
-        if self.echo and self.logprobs is not None:
-            raise ValueError("echo with logprobs needs prompt logprobs, which this server does not compute")
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError(f"best_of must be greater than or equal to n, got best_of={self.best_of}, n={self.n}")
+        if self.stream and self.best_of is not None and self.best_of > self.n:
+            # The best n are known only once all best_of samples finish, so there is nothing to stream early.
+            raise ValueError("best_of greater than n is not supported with stream=true")
         return self
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        # echo with logprobs covers the prompt tokens too, so the engine scores them with the larger k.
+        ks = [k for k in (self.prompt_logprobs, self.logprobs if self.echo else None) if k is not None]
+        return max(ks) if ks else None
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -163,12 +186,23 @@ class CompletionLogprobs(OpenAIBaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(OpenAIBaseModel):
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM's prompt_logprobs field: None for the first prompt token, then {token id: logprob} for each other one.
+PromptLogprobsField = list[dict[int, PromptLogprob] | None]
+
+
 class CompletionChoice(OpenAIBaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobsField | None = None  # vLLM puts them on each completion choice
 
 
 class CompletionResponse(OpenAIBaseModel):
@@ -218,6 +252,7 @@ class ChatCompletionResponse(OpenAIBaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobsField | None = None  # vLLM puts them at the top level for chat
 
 
 class DeltaMessage(OpenAIBaseModel):

@@ -12,6 +12,7 @@ from pagedserve.engine.async_engine import EngineClosedError, OutputStream
 from pagedserve.outputs import Logprob, RequestOutput
 from pagedserve.server.context import ServerContext, random_id, usage_of
 from pagedserve.server.errors import OpenAIError
+from pagedserve.server.prompt_logprobs import prompt_logprobs_field
 from pagedserve.server.protocol import (ChatChoice, ChatChoiceLogprobs, ChatCompletionRequest,
                                         ChatCompletionResponse, ChatCompletionStreamResponse,
                                         ChatLogprobEntry, ChatResponseMessage, ChatStreamChoice,
@@ -63,7 +64,8 @@ class OpenAIServingChat:
         self.ctx.check_model(req.model)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         num_top = req.top_logprobs or 0
-        params = req.to_sampling_params(max_tokens, num_top if req.logprobs else None)
+        params = req.to_sampling_params(max_tokens, num_top if req.logprobs else None,
+                                        prompt_logprobs=req.prompt_logprobs)
         messages = [m.to_template_dict() for m in req.messages]
         request_id = random_id("chatcmpl")
         stream = await self.ctx.engine.add_request(request_id, chat_prompt(messages, req.add_generation_prompt),
@@ -83,8 +85,10 @@ class OpenAIServingChat:
             choices.append(ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
                                       logprobs=logprobs, finish_reason=c.finish_reason,
                                       stop_reason=c.stop_reason))
+        prompt_field = (None if req.prompt_logprobs is None else
+                        prompt_logprobs_field(final.prompt_token_ids, final.prompt_logprobs, req.prompt_logprobs))
         body = ChatCompletionResponse(id=request_id, created=created, model=self.ctx.model_name,
-                                      choices=choices, usage=usage_of([final]))
+                                      choices=choices, usage=usage_of([final]), prompt_logprobs=prompt_field)
         return json_response(body)
 
     async def _stream(self, req: ChatCompletionRequest, stream: OutputStream, request_id: str,

@@ -12,6 +12,7 @@ from pagedserve.engine.async_engine import EngineClosedError, OutputStream
 from pagedserve.outputs import Logprob, RequestOutput
 from pagedserve.server.context import ServerContext, random_id, usage_of
 from pagedserve.server.errors import OpenAIError
+from pagedserve.server.prompt_logprobs import prompt_logprobs_field
 from pagedserve.server.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest,
                                         CompletionResponse, CompletionStreamResponse)
 from pagedserve.server.streaming import SSE_DONE, SSEResponse, json_response, sse, unless_disconnected
@@ -37,6 +38,30 @@ def legacy_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]], num
     return out
 
 
+def echo_logprobs(out: RequestOutput, first_token: str, num_top: int) -> CompletionLogprobs:
+    # OpenAI's echo with logprobs: the prompt's tokens come first. Nothing predicts the first one, so its
+    # logprob and top alternatives are null; first_token is its text (decoded on the engine thread).
+    entries = (out.prompt_logprobs or [None])[1:]
+    rest = legacy_logprobs(out.prompt_token_ids[1:], entries, num_top, len(first_token))  # type: ignore[arg-type]
+    return joined(CompletionLogprobs(text_offset=[0], token_logprobs=[None], tokens=[first_token],
+                                     top_logprobs=[None]), rest)
+
+
+def joined(a: CompletionLogprobs, b: CompletionLogprobs) -> CompletionLogprobs:
+    return CompletionLogprobs(text_offset=a.text_offset + b.text_offset,
+                              token_logprobs=a.token_logprobs + b.token_logprobs, tokens=a.tokens + b.tokens,
+                              top_logprobs=a.top_logprobs + b.top_logprobs)
+
+
+def end_offset(lp: CompletionLogprobs) -> int:
+    # Where the next token's text_offset continues.
+    return lp.text_offset[-1] + len(lp.tokens[-1]) if lp.tokens else 0
+
+
+async def first_token_texts(ctx: ServerContext, outs: list[RequestOutput]) -> list[str]:
+    return await ctx.engine.call(lambda e: [e.token_texts(o.prompt_token_ids[0]) for o in outs])
+
+
 @dataclass(slots=True)
 class _ChoiceState:
     # How much of a choice's cumulative output the client has already been sent.
@@ -53,7 +78,7 @@ class OpenAIServingCompletion:
 
     async def create(self, req: CompletionRequest, raw_request: Request) -> Response:
         self.ctx.check_model(req.model)
-        params = req.to_sampling_params(req.max_tokens, req.logprobs)
+        params = req.to_sampling_params(req.max_tokens, req.logprobs, req.best_of, req.num_prompt_logprobs)
         prompts = req.prompts()
         request_id = random_id("cmpl")
         engine = self.ctx.engine
@@ -73,16 +98,23 @@ class OpenAIServingCompletion:
             finals = await unless_disconnected(raw_request, _collect(stream, sub_ids))
         finally:
             stream.close()
+        echo_lp = req.echo and req.logprobs is not None
+        first_texts = await first_token_texts(self.ctx, finals) if echo_lp else []
         choices = []
         for i, out in enumerate(finals):
+            prompt_lp = echo_logprobs(out, first_texts[i], req.logprobs) if echo_lp else None
+            prompt_field = (None if req.prompt_logprobs is None else
+                            prompt_logprobs_field(out.prompt_token_ids, out.prompt_logprobs, req.prompt_logprobs))
             for c in out.outputs:
                 logprobs = None
                 if req.logprobs is not None and c.logprobs is not None:
-                    logprobs = legacy_logprobs(c.token_ids, c.logprobs[:len(c.token_ids)], req.logprobs,
-                                               len(echo_texts[i]))
+                    start = len(echo_texts[i]) if prompt_lp is None else end_offset(prompt_lp)
+                    logprobs = legacy_logprobs(c.token_ids, c.logprobs[:len(c.token_ids)], req.logprobs, start)
+                    if prompt_lp is not None:
+                        logprobs = joined(prompt_lp, logprobs)
                 choices.append(CompletionChoice(index=i * req.n + c.index, text=echo_texts[i] + c.text,
                                                 logprobs=logprobs, finish_reason=c.finish_reason,
-                                                stop_reason=c.stop_reason))
+                                                stop_reason=c.stop_reason, prompt_logprobs=prompt_field))
         body = CompletionResponse(id=request_id, created=created, model=self.ctx.model_name,
                                   choices=choices, usage=usage_of(finals))
         return json_response(body)
@@ -92,14 +124,23 @@ class OpenAIServingCompletion:
         index_of = {rid: i for i, rid in enumerate(sub_ids)}
         states: dict[int, _ChoiceState] = {}
         latest: dict[str, RequestOutput] = {}
+        # Per prompt: the echoed prompt's logprobs, sent ahead of each choice's first tokens.
+        prompt_lps: dict[int, CompletionLogprobs] = {}
+        echo_lp = req.echo and req.logprobs is not None
         model = self.ctx.model_name
         try:
             async for out in stream:
                 latest[out.request_id] = out
                 i = index_of[out.request_id]
+                if echo_lp and i not in prompt_lps:
+                    [first] = await first_token_texts(self.ctx, [out])
+                    prompt_lps[i] = echo_logprobs(out, first, req.logprobs)
                 for c in out.outputs:
                     index = i * req.n + c.index
-                    st = states.setdefault(index, _ChoiceState(text_offset=len(echo_texts[i])))
+                    st = states.get(index)
+                    if st is None:
+                        start = end_offset(prompt_lps[i]) if i in prompt_lps else len(echo_texts[i])
+                        st = states[index] = _ChoiceState(text_offset=start)
                     if st.done:
                         continue
                     text = c.text[st.num_chars:]
@@ -114,7 +155,9 @@ class OpenAIServingCompletion:
                         logprobs = legacy_logprobs(new_tokens, c.logprobs[st.num_tokens:len(c.token_ids)],
                                                    req.logprobs, st.text_offset)
                         if logprobs.text_offset:
-                            st.text_offset = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
+                            st.text_offset = end_offset(logprobs)
+                        if not st.started and i in prompt_lps:
+                            logprobs = joined(prompt_lps[i], logprobs)
                     st.num_chars, st.num_tokens = len(c.text), len(c.token_ids)
                     st.started, st.done = True, c.finish_reason is not None
                     choice = CompletionChoice(index=index, text=text, logprobs=logprobs,

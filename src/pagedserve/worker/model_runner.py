@@ -8,6 +8,7 @@ import torch
 
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.worker.kv_cache import apply_block_ops
+from pagedserve.worker.prompt_logprobs import compute_prompt_logprobs, prompt_span
 from pagedserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagedserve.sample.sampler import Sampler, SamplingBatch, SamplingRow, make_generator
 
@@ -66,25 +67,31 @@ class ModelRunner:
         input_ids, positions, meta = self.build_metadata(plan)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
 
-        # The LM head runs only on each sampled request's last token.
+        # The LM head runs only on each sampled request's last token, plus every prompt row of requests that
+        # asked for prompt logprobs (worker/prompt_logprobs.py).
         sample_idx = []
         rows = []
         req_ids = []
+        prompt_spans = []
         end = 0
         for s in plan.scheduled:
+            req = s.request
+            if req.params.prompt_logprobs is not None and (span := prompt_span(s, end)) is not None:
+                prompt_spans.append(span)
             end += len(s.token_ids)
             if not s.sample:
                 continue
-            req = s.request
             sample_idx.append(end - 1)
             req_ids.append(req.req_id)
             rows.append(SamplingRow(req.params, req.prompt_token_ids, req.output_token_ids,
                                     self._generator(req), list(req.eos_token_ids)))
+        prompt_logprobs = compute_prompt_logprobs(self.model, hidden, prompt_spans) if prompt_spans else None
         if not rows:
-            return ModelRunnerOutput([], [])
+            return ModelRunnerOutput([], [], prompt_logprobs=prompt_logprobs)
         logits = self.model.compute_logits(hidden[torch.tensor(sample_idx, device=hidden.device)])
         out = self.sampler(logits, SamplingBatch.build(rows, self.vocab_size, logits.device))
-        return ModelRunnerOutput(req_ids, out.sampled_token_ids, out.logprobs, out.top_logprobs, out.ranks)
+        return ModelRunnerOutput(req_ids, out.sampled_token_ids, out.logprobs, out.top_logprobs, out.ranks,
+                                 prompt_logprobs)
 
     def _generator(self, req) -> torch.Generator | None:
         if req.params.seed is None:
