@@ -78,6 +78,9 @@ def main() -> int:
     g.add_argument("--kv-cache-memory", type=int, default=256 << 20, metavar="BYTES", help="pagedserve's KV pool")
     g.add_argument("--max-model-len", type=int, default=2048)
     g.add_argument("--hf-max-batch-size", type=int, default=8)
+    g.add_argument("--also", action="append", default=[], metavar="LABEL=URL",
+                   help="also measure an already running OpenAI-compatible server in the same run, e.g. "
+                        "llama.cpp=http://127.0.0.1:8081 (repeatable)")
     # Sized so the whole default run (8 runs of 24 requests, two server starts) takes about 10 minutes on 2 cores.
     p.set_defaults(num_prompts=24, input_len=(64, 256), output_len=(32, 64), concurrency=[8])
     args = p.parse_args()
@@ -98,12 +101,16 @@ def main() -> int:
         for name, cmd in specs.items():
             port = free_port()
             servers.append(Server(name, [*cmd, "--port", str(port)], port))
-        args.base_url = [s.url for s in servers]
-        args.label = [s.name for s in servers]
+        also = [item.split("=", 1) for item in args.also]
+        if any(len(pair) != 2 for pair in also):
+            p.error("--also takes LABEL=URL")
+        args.base_url = [s.url for s in servers] + [url for _, url in also]
+        args.label = [s.name for s in servers] + [label for label, _ in also]
         meta["servers"] = {s.name: {"command": " ".join(os.path.relpath(a) if a.endswith(".py") else a
                                                         for a in s.cmd[1:])} for s in servers}
         meta["servers"]["transformers"]["batching"] = (
             f"static: up to {args.hf_max_batch_size} waiting requests per batch, run to completion")
+        meta["servers"].update({label: {"base_url": url, "started": "outside this script"} for label, url in also})
         return run_benchmark(args, meta, points)
     finally:
         for s in servers:
