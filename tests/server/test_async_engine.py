@@ -181,3 +181,33 @@ def test_shutdown_fails_in_flight_and_refuses_new_work():
 
     asyncio.run(main())
     assert not async_engine.is_running and not engine.requests
+
+
+def test_from_factory_builds_and_steps_on_one_thread():
+    # Loading and stepping on different threads costs ~2x decode speed on CPU (two OpenMP teams), so the
+    # engine must be constructed on the thread that steps it.
+    built_on: list[int] = []
+
+    def factory():
+        built_on.append(threading.get_ident())
+        return FakeEngine()
+
+    async_engine = AsyncLLMEngine.from_factory(factory)
+    try:
+        assert async_engine.model_name == "fake" and async_engine.block_size == 16
+
+        async def main():
+            return [o async for o in async_engine.generate("p", SamplingParams(max_tokens=3), "r")]
+
+        assert asyncio.run(main())[-1].finished
+        assert built_on == [async_engine._thread.ident] and async_engine.engine.threads == set(built_on)
+    finally:
+        async_engine.shutdown()
+
+
+def test_from_factory_raises_the_construction_error():
+    def factory():
+        raise ValueError("model path /nope does not exist")
+
+    with pytest.raises(ValueError, match="does not exist"):
+        AsyncLLMEngine.from_factory(factory)

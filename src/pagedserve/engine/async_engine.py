@@ -138,7 +138,12 @@ class AsyncLLMEngine:
         # everything on one thread, 24.4 ms when the steps run on a second one.
         from pagedserve.engine.llm_engine import LLMEngine
 
-        async_engine = cls(lambda: LLMEngine(config))
+        return cls.from_factory(lambda: LLMEngine(config))
+
+    @classmethod
+    def from_factory(cls, factory: Callable[[], Any]) -> AsyncLLMEngine:
+        # Builds the engine on the engine thread and waits for it; a construction error is raised here.
+        async_engine = cls(factory)
         async_engine._ready.wait()
         if async_engine._init_error is not None:
             raise async_engine._init_error
