@@ -24,6 +24,12 @@ CONFIGS = {
                              original_max_position_embeddings=16)),
     "qwen2-tied-linear-rope": lambda: transformers.Qwen2Config(
         **TINY, tie_word_embeddings=True, rope_parameters=dict(rope_type="linear", rope_theta=10000.0, factor=2.0)),
+    # Windows shorter than the sequences (11 and 14 tokens), so masked keys change the logits.
+    "mistral-sliding-window-5": lambda: transformers.MistralConfig(**TINY, sliding_window=5,
+                                                                   tie_word_embeddings=False),
+    # Layer 0 full attention, layer 1 windowed (Qwen2's max_window_layers).
+    "qwen2-sliding-window-6": lambda: transformers.Qwen2Config(
+        **TINY, sliding_window=6, use_sliding_window=True, max_window_layers=1, tie_word_embeddings=False),
 }
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
@@ -84,3 +90,29 @@ def test_registry_rejects_unsupported() -> None:
     with pytest.raises(ValueError, match="supported"):
         get_model_class("GPT2LMHeadModel")
     assert resolve_architecture(transformers.LlamaConfig()) == "LlamaForCausalLM"
+
+
+def test_sliding_window_is_not_full_attention() -> None:
+    # Guards the window tests above against a window that never takes effect: with the window removed
+    # our logits must differ from transformers' windowed ones.
+    hf_model, _ = make_pair("mistral-sliding-window-5")
+    config = CONFIGS["mistral-sliding-window-5"]()
+    config.sliding_window = None
+    full = get_model_class(resolve_architecture(config))(config, get_attention_backend("reference"),
+                                                          dtype=torch.float32).eval()
+    full.load_weights(hf_model.state_dict().items())
+    ids = torch.randint(0, 128, (14,), generator=torch.Generator().manual_seed(2)).tolist()
+    got = run_paged_schedule(full, [ids], [[14]], block_size=4)[0]
+    with torch.no_grad():
+        expected = hf_model(torch.tensor([ids])).logits[0]
+    assert (got[:5] - expected[:5]).abs().max().item() < 1e-4  # inside the window both agree
+    assert (got[5:] - expected[5:]).abs().max().item() > 1e-3
+
+
+def test_sliding_windows_per_layer() -> None:
+    from pagedserve.model.llama import sliding_windows
+
+    assert sliding_windows(CONFIGS["mistral-sliding-window-5"]()) == [5, 5]
+    assert sliding_windows(CONFIGS["qwen2-sliding-window-6"]()) == [None, 6]
+    assert sliding_windows(CONFIGS["qwen2-tied-linear-rope"]()) == [None, None]
+    assert sliding_windows(CONFIGS["llama"]()) == [None, None]

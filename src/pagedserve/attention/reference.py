@@ -40,6 +40,10 @@ def gather_kv(kv_cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: in
 class ReferenceAttentionBackend:
     name = "reference"
 
+    def __init__(self, sliding_window: int | None = None) -> None:
+        # With a window W, query position p sees keys p - W + 1 .. p (transformers' and vLLM's convention).
+        self.sliding_window = sliding_window
+
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
         write_kv(kv_cache, key, value, meta.slot_mapping)
@@ -76,7 +80,10 @@ class ReferenceAttentionBackend:
         # as SDPA's "query length" axis; no K/V repeat is materialized.
         q = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
         positions = torch.arange(num_blocks * block_size, device=query.device)
-        mask = (positions[None, :] < seq_lens[:, None]).view(batch, 1, 1, -1)  # padding and stale slots off
+        mask = positions[None, :] < seq_lens[:, None]  # padding and stale slots off
+        if self.sliding_window is not None:
+            mask &= positions[None, :] >= seq_lens[:, None] - self.sliding_window
+        mask = mask.view(batch, 1, 1, -1)
         o = F.scaled_dot_product_attention(q, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask,
                                            scale=scale)
         o = o.reshape(batch, num_heads, head_dim).to(out.dtype)
@@ -92,12 +99,14 @@ class ReferenceAttentionBackend:
         keys, values = gather_kv(kv_cache, block_table[None], -(-seq_len // block_size))
         keys, values = keys[0, :seq_len].transpose(0, 1)[None], values[0, :seq_len].transpose(0, 1)[None]
         q = q.transpose(0, 1)[None]  # [1, Hq, q_len, D]
-        if q_len == seq_len:  # no cached context: SDPA's top-left causal mask is exactly right
+        if q_len == seq_len and self.sliding_window is None:  # SDPA's top-left causal mask is exactly right
             o = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale, enable_gqa=True)
         else:
             context_len = seq_len - q_len
             key_pos = torch.arange(seq_len, device=q.device)
             query_pos = torch.arange(q_len, device=q.device) + context_len
             mask = key_pos[None, :] <= query_pos[:, None]
+            if self.sliding_window is not None:
+                mask &= key_pos[None, :] > query_pos[:, None] - self.sliding_window
             o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
         return o[0].transpose(0, 1)

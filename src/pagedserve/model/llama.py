@@ -2,8 +2,10 @@
 
 Differences within the family are config-driven: Qwen2 has q/k/v biases, Llama may have
 attention_bias / mlp_bias, head_dim may differ from hidden_size // num_heads, embeddings may be tied.
-Sliding-window attention (Mistral v0.1, Qwen2 with use_sliding_window) is not implemented; the loader caps
-max_model_len at the window instead, where full attention and windowed attention agree.
+Sliding-window attention (Mistral v0.1, Qwen2 with use_sliding_window): the windowed layers attend to the
+last `sliding_window` positions (the token itself included, as in transformers) through the reference
+backend with a window mask; the compiled CPU kernel has no window, so it serves only full-attention layers.
+Every block stays allocated (no freeing of blocks that slid out of the window).
 
 q/k/v and gate/up are fused into one matmul each; load_weights maps HF checkpoint names into the slices:
 
@@ -20,6 +22,7 @@ from torch import nn
 
 from pagedserve.attention.backend import AttentionBackend
 from pagedserve.attention.metadata import AttentionMetadata
+from pagedserve.attention.reference import ReferenceAttentionBackend
 from pagedserve.model.layers.activation import SiluAndMul
 from pagedserve.model.layers.linear import (Linear, find_exact_blocks, pack_linear_weights, pack_weight,
                                             packed_linear, quant_linear)
@@ -111,6 +114,21 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
+def sliding_windows(hf_config) -> list[int | None]:
+    # Per layer: the attention window, or None for full attention. transformers' layer_types names the
+    # sliding layers (Qwen2: those from max_window_layers on, when use_sliding_window); configs without it
+    # (Mistral) window every layer when sliding_window is set.
+    num_layers, window = hf_config.num_hidden_layers, getattr(hf_config, "sliding_window", None)
+    if not window:
+        return [None] * num_layers
+    layer_types = getattr(hf_config, "layer_types", None)
+    if layer_types is not None:
+        return [int(window) if t == "sliding_attention" else None for t in layer_types]
+    if not getattr(hf_config, "use_sliding_window", True):
+        return [None] * num_layers
+    return [int(window)] * num_layers
+
+
 class LlamaModel(nn.Module):
     def __init__(self, hf_config, attn_backend: AttentionBackend, device, dtype) -> None:
         super().__init__()
@@ -118,8 +136,11 @@ class LlamaModel(nn.Module):
                                                device=device, dtype=dtype)
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
         rotary_emb = RotaryEmbedding(hf_config, head_dim, device=device)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(hf_config, attn_backend, device, dtype, rotary_emb)
-                                    for _ in range(hf_config.num_hidden_layers))
+        windows = sliding_windows(hf_config)
+        windowed = {w: ReferenceAttentionBackend(sliding_window=w) for w in set(windows) if w is not None}
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(hf_config, attn_backend if w is None else windowed[w], device, dtype, rotary_emb)
+            for w in windows)
         self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, device=device, dtype=dtype)
 
 

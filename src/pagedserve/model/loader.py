@@ -170,10 +170,9 @@ def _eos_token_ids(path: str, hf_config, tokenizer) -> list[int]:
 
 
 def _max_model_len(hf_config) -> int:
-    max_len = int(hf_config.max_position_embeddings)
-    # Sliding-window attention is not implemented; up to the window it equals full attention.
-    window = getattr(hf_config, "sliding_window", None)
-    return min(max_len, int(window)) if window else max_len
+    # Sliding-window layers attend within their window at any length (model/llama.py), so the window does
+    # not cap the context.
+    return int(hf_config.max_position_embeddings)
 
 
 # ---------------------------------------------------------------- GGUF conversion
