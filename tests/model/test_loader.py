@@ -14,6 +14,7 @@ import transformers
 from pagedserve.model import loader
 from pagedserve.model.loader import default_model_path, load_model, unpermute_qk
 from tests.paged_metadata import run_paged_schedule
+from tests.tiny_models import random_hf_model, save_hf_dir
 
 
 @pytest.fixture(scope="module")
@@ -186,16 +187,10 @@ def test_hf_directory_matches_transformers(embedded_model, tmp_cache) -> None:
                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=vocab,
                                       max_position_embeddings=128, tie_word_embeddings=False,
                                       eos_token_id=embedded_model.eos_token_ids[0])
-    torch.manual_seed(0)
-    hf = transformers.LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
-    d = tmp_cache / "tiny-llama"
-    hf.save_pretrained(d)
-    embedded_model.tokenizer.save_pretrained(d)
+    hf = random_hf_model(config)
+    d = save_hf_dir(hf, embedded_model.tokenizer, tmp_cache / "tiny-llama")
 
-    loaded = load_model(str(d), device="cpu", dtype=torch.float32)
+    loaded = load_model(d, device="cpu", dtype=torch.float32)
     assert loaded.model_name == "tiny-llama" and loaded.max_model_len == 128
     ids = loaded.tokenizer.encode("The quick brown fox jumps over the lazy dog.")
     got = run_paged_schedule(loaded.model, [ids], [[5, len(ids) - 5]], block_size=4)[0]

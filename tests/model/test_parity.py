@@ -6,6 +6,7 @@ import torch
 import transformers
 
 from tests.paged_metadata import run_paged_schedule
+from tests.tiny_models import random_hf_model
 from pagedserve.attention.backend import get_attention_backend
 from pagedserve.model.registry import get_model_class, resolve_architecture
 
@@ -44,11 +45,7 @@ SCHEDULES = {
 
 def make_pair(name: str, device: str = "cpu"):
     hf_config = CONFIGS[name]()
-    torch.manual_seed(0)
-    hf_model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32).to(device).eval()
-    with torch.no_grad():  # HF zero-inits biases and one-inits norms; randomize all so every weight matters
-        for pname, p in hf_model.named_parameters():
-            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in pname else 0.1 * torch.randn_like(p))
+    hf_model = random_hf_model(hf_config, device=device)
     cls = get_model_class(resolve_architecture(hf_config))
     ours = cls(hf_config, get_attention_backend("reference"), device=device, dtype=torch.float32).eval()
     ours.load_weights(hf_model.state_dict().items())
