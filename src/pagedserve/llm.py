@@ -1,6 +1,8 @@
 """The offline API, as vLLM's: `LLM(...).generate(prompts, SamplingParams(...))` and `.chat(messages)`."""
 from __future__ import annotations
 
+import logging
+import threading
 from typing import Any, Sequence
 
 from tqdm.auto import tqdm
@@ -10,6 +12,8 @@ from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.processor import PromptInput
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import BeamSearchParams, SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 def engine_config_from_kwargs(model: str | None = None, *, tokenizer: str | None = None,
@@ -32,6 +36,8 @@ def engine_config_from_kwargs(model: str | None = None, *, tokenizer: str | None
 class LLM:
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         self.llm_engine = LLMEngine(engine_config_from_kwargs(model, **kwargs))
+        self._thread_id = threading.get_ident()
+        self._warned_thread = False
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
@@ -87,6 +93,12 @@ class LLM:
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
+        if threading.get_ident() != self._thread_id and not self._warned_thread:
+            # On CPU a second thread gets its own OpenMP team; libgomp then throttles spin-waiting for both and
+            # decode runs about 2x slower (benchmarks/README.md, "Threading fix").
+            self._warned_thread = True
+            logger.warning("LLM.generate runs on a different thread than the one that built the LLM; on CPU "
+                           "this can halve decode speed. Build the LLM on the thread that generates.")
         wanted = set(ids)
         done: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
