@@ -4,8 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.attention.test_paged_attention import BLOCK_SIZE, CHUNKS, HEAD_DIM, dense_causal
-from tests.paged_metadata import build_attention_metadata, chunk_schedule, scattered_block_tables
+from tests.attention.test_paged_attention import (BLOCK_SIZE, CHUNKS, HEAD_DIM, dense_causal,
+                                                  run_backend_chunks)
+from tests.paged_metadata import build_attention_metadata, scattered_block_tables
 from pagedserve import kernels
 from pagedserve.attention.backend import get_attention_backend
 from pagedserve.attention.reference import ReferenceAttentionBackend
@@ -33,18 +34,7 @@ def test_kernel_matches_dense(max_kernel_q_len: int, num_heads: int, num_kv_head
     num_blocks = 40
     tables = scattered_block_tables(total_lens, BLOCK_SIZE, num_blocks)
     kv_cache = 100 * torch.randn(2, num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM, generator=gen)
-    backend = _backend(max_kernel_q_len)
-    got = [torch.full_like(e, float("nan")) for e in expected]
-    for step in chunk_schedule(CHUNKS):
-        meta = build_attention_metadata([(c, q) for _, c, q in step], [tables[i] for i, _, _ in step], BLOCK_SIZE)
-        q = torch.cat([qs[i][c:c + n] for i, c, n in step])
-        k = torch.cat([ks[i][c:c + n] for i, c, n in step])
-        v = torch.cat([vs[i][c:c + n] for i, c, n in step])
-        out = backend.forward(q, k, v, kv_cache, meta, scale)
-        at = 0
-        for i, c, n in step:
-            got[i][c:c + n] = out[at:at + n]
-            at += n
+    got = run_backend_chunks(_backend(max_kernel_q_len), qs, ks, vs, tables, kv_cache, scale)
     for i, (g, e) in enumerate(zip(got, expected)):
         torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-5, msg=lambda m: f"sequence {i}: {m}")
 

@@ -32,6 +32,25 @@ def dense_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     return o.transpose(0, 1)
 
 
+def run_backend_chunks(backend, qs, ks, vs, tables, kv_cache, scale: float, device: str = "cpu") -> list[torch.Tensor]:
+    # Runs each sequence's q/k/v through `backend` step by step as CHUNKS schedules them, all sequences of a
+    # step in one flattened batch; returns per-sequence outputs (NaN where a position never ran).
+    got = [torch.full_like(q, float("nan")) for q in qs]
+    for step in chunk_schedule(CHUNKS):
+        meta = build_attention_metadata([(c, q) for _, c, q in step], [tables[i] for i, _, _ in step], BLOCK_SIZE,
+                                        device=device)
+        q = torch.cat([qs[i][c:c + n] for i, c, n in step])
+        k = torch.cat([ks[i][c:c + n] for i, c, n in step])
+        v = torch.cat([vs[i][c:c + n] for i, c, n in step])
+        out = backend.forward(q, k, v, kv_cache, meta, scale)
+        assert out.shape == q.shape
+        at = 0
+        for i, c, n in step:
+            got[i][c:c + n] = out[at:at + n]
+            at += n
+    return got
+
+
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2), (6, 1)])
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("device", DEVICES)
@@ -49,22 +68,7 @@ def test_paged_matches_dense(num_heads: int, num_kv_heads: int, seed: int, devic
     tables = scattered_block_tables(total_lens, BLOCK_SIZE, num_blocks, seed=seed)
     # Stale garbage in the pool: anything read outside a sequence's valid slots would show up.
     kv_cache = 100 * torch.randn(2, num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM, generator=gen).to(device)
-    backend = get_attention_backend("reference")
-    got = [torch.full_like(e, float("nan")) for e in expected]
-
-    for step in chunk_schedule(CHUNKS):
-        meta = build_attention_metadata([(c, q) for _, c, q in step], [tables[i] for i, _, _ in step], BLOCK_SIZE,
-                                        device=device)
-        q = torch.cat([qs[i][c:c + n] for i, c, n in step])
-        k = torch.cat([ks[i][c:c + n] for i, c, n in step])
-        v = torch.cat([vs[i][c:c + n] for i, c, n in step])
-        out = backend.forward(q, k, v, kv_cache, meta, scale)
-        assert out.shape == q.shape
-        at = 0
-        for i, c, n in step:
-            got[i][c:c + n] = out[at:at + n]
-            at += n
-
+    got = run_backend_chunks(get_attention_backend("reference"), qs, ks, vs, tables, kv_cache, scale, device)
     for i, (g, e) in enumerate(zip(got, expected)):
         torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-5, msg=lambda m: f"sequence {i}: {m}")
 

@@ -110,11 +110,12 @@ class OutputStream:
 
 
 class AsyncLLMEngine:
-    def __init__(self, engine: Any, start: bool = True) -> None:
-        # `engine` is an LLMEngine or a zero-argument callable that builds one; a callable runs on the engine
-        # thread (see from_config).
-        self._factory: Callable[[], Any] | None = engine if callable(engine) else None
-        self.engine = None if callable(engine) else engine
+    def __init__(self, engine: Any = None, start: bool = True, *, factory: Callable[[], Any] | None = None) -> None:
+        # Either a built engine, or a factory that builds it on the engine thread (see from_config).
+        if (engine is None) == (factory is None):
+            raise ValueError("pass exactly one of engine and factory")
+        self._factory = factory
+        self.engine = engine
         self._ready = threading.Event()
         self._init_error: BaseException | None = None
         if self.engine is not None:
@@ -143,7 +144,7 @@ class AsyncLLMEngine:
     @classmethod
     def from_factory(cls, factory: Callable[[], Any]) -> AsyncLLMEngine:
         # Builds the engine on the engine thread and waits for it; a construction error is raised here.
-        async_engine = cls(factory)
+        async_engine = cls(factory=factory)
         async_engine._ready.wait()
         if async_engine._init_error is not None:
             raise async_engine._init_error
