@@ -1,4 +1,4 @@
-from pagedserve.engine.request import Request
+from pagedserve.core.request import Request
 from pagedserve.sampling_params import SamplingParams
 
 

@@ -9,7 +9,7 @@ from pagedserve.config import SchedulerConfig
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.scheduler import Scheduler
 from pagedserve.core.scheduler_output import ModelRunnerOutput
-from pagedserve.engine.request import RequestStatus
+from pagedserve.core.request import RequestStatus
 from tests.core.helpers import make_request
 
 

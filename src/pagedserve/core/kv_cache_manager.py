@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pagedserve.core.block_pool import BlockHash, BlockPool, KVBlock, hash_block_tokens
-from pagedserve.engine.request import Request
+from pagedserve.core.request import Request
 
 
 def cdiv(a: int, b: int) -> int:

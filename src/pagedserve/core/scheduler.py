@@ -16,7 +16,7 @@ from pagedserve.config import SchedulerConfig
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.scheduler_output import (ModelRunnerOutput, ScheduledRequest, SchedulerOutput,
                                               SchedulerStats)
-from pagedserve.engine.request import Request, RequestStatus
+from pagedserve.core.request import Request, RequestStatus
 
 
 class Scheduler:

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pagedserve.core.kv_cache_manager import BlockOps
-from pagedserve.engine.request import Request
+from pagedserve.core.request import Request
 
 
 @dataclass(frozen=True, slots=True)

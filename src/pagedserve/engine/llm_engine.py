@@ -14,7 +14,7 @@ from pagedserve.core.scheduler import Scheduler
 from pagedserve.core.scheduler_output import ModelRunnerOutput, PromptLogprobsChunk
 from pagedserve.engine.detokenizer import IncrementalDetokenizer
 from pagedserve.engine.logprobs import TokenTexts, extend_prompt_logprobs, logprob_entry
-from pagedserve.engine.request import Request, RequestStatus
+from pagedserve.core.request import Request, RequestStatus
 from pagedserve.engine.processor import Processor, PromptInput
 from pagedserve.metrics.stats import EngineStats, RequestStats
 from pagedserve.model.loader import load_model
