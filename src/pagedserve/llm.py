@@ -8,7 +8,7 @@ from typing import Any, Sequence
 from tqdm.auto import tqdm
 
 from pagedserve.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
-from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.engine.llm_engine import LLMEngine, RequestFailedError
 from pagedserve.engine.processor import PromptInput
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import BeamSearchParams, SamplingParams
@@ -75,14 +75,9 @@ class LLM:
              add_generation_prompt: bool = True, **template_kwargs: Any) -> list[RequestOutput]:
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         proc = self.llm_engine.processor
-        texts = [proc.apply_chat_template(conv, chat_template, add_generation_prompt, **template_kwargs)
-                 for conv in conversations]
-        # The template already holds any special tokens; encoding must not add a second BOS.
-        prompts = [{"prompt_token_ids": proc.tokenizer.encode(t, add_special_tokens=False)} for t in texts]
-        outs = self.generate(prompts, sampling_params, use_tqdm)
-        for out, text in zip(outs, texts):
-            out.prompt = text
-        return outs
+        prompts = [proc.chat_prompt(conv, chat_template, add_generation_prompt, **template_kwargs)
+                   for conv in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
 
     def beam_search(self, prompts: PromptInput | Sequence[PromptInput], params: BeamSearchParams):
         from pagedserve.beam_search import run_beam_search
@@ -108,6 +103,9 @@ class LLM:
                     if out.finished and out.request_id in wanted:
                         done[out.request_id] = out
                         bar.update(1)
+                failed = {rid: msg for rid, msg in engine.take_failures().items() if rid in wanted}
+                if failed:
+                    raise RequestFailedError("; ".join(f"request {rid} failed: {msg}" for rid, msg in failed.items()))
                 if not engine.has_unfinished_requests() and len(done) < len(ids):
                     raise RuntimeError("the engine stopped with requests unfinished")
         except BaseException:

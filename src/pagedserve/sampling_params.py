@@ -14,6 +14,14 @@ SAMPLING_EPS = 1e-5
 MIN_RANDOM_TEMPERATURE = 1e-2
 
 
+class RequestOutputKind(enum.Enum):
+    # What each RequestOutput of a request holds (vLLM's names): everything so far, only what is new since
+    # the previous output (servers stream these without re-diffing), or one output when the request ends.
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
 class SamplingType(enum.IntEnum):
     GREEDY = 0
     RANDOM = 1
@@ -44,6 +52,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None  # token id -> value added to its logit before sampling
     allowed_token_ids: list[int] | None = None  # sample only among these tokens
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         if self.stop is None:

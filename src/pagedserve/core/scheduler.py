@@ -40,13 +40,17 @@ class Scheduler:
     def capacity_tokens(self) -> int:
         return self.kv.num_blocks * self.kv.block_size
 
+    def check_request(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        # A request that can never be scheduled must fail now, not wait at the head of the queue forever.
+        need = num_prompt_tokens + max_tokens
+        if need > self.capacity_tokens:
+            raise ValueError(f"prompt ({num_prompt_tokens} tokens) plus max_tokens ({max_tokens}) "
+                             f"can never fit in the KV cache ({self.capacity_tokens} tokens)")
+
     def add_request(self, req: Request, fork_of: Request | None = None) -> None:
         if req.req_id in self.requests:
             raise ValueError(f"request id {req.req_id!r} is already in use")
-        need = req.num_prompt_tokens + req.max_tokens
-        if need > self.capacity_tokens:
-            raise ValueError(f"prompt ({req.num_prompt_tokens} tokens) plus max_tokens ({req.max_tokens}) "
-                             f"can never fit in the KV cache ({self.capacity_tokens} tokens)")
+        self.check_request(req.num_prompt_tokens, req.max_tokens)
         self.requests[req.req_id] = req
         if fork_of is not None and fork_of.req_id in self.requests and not fork_of.output_token_ids:
             self.pending_forks.setdefault(fork_of.req_id, []).append(req)

@@ -1,25 +1,51 @@
-"""Turns user prompts into token ids and checks them against the model's limits before they queue."""
+"""The front-end's input side: prompts and chat messages -> validated EngineCoreRequests.
+
+Runs on the caller's thread (offline) or a tokenizer thread (server), never on the engine thread, so a huge
+prompt costs its own request time, not everyone's step time. Every check that can fail for one request runs
+here, before anything reaches the engine core.
+"""
 from __future__ import annotations
 
+import dataclasses
+import os
+import time
+from dataclasses import dataclass
 from typing import Any
 
 from pagedserve.config import ModelConfig
+from pagedserve.engine.core import EngineCoreRequest
 from pagedserve.sampling_params import SamplingParams
 
 # A prompt is text, a list of token ids, or vLLM's dict forms {"prompt": ...} / {"prompt_token_ids": ...}.
 PromptInput = str | list[int] | dict[str, Any]
 
 
+@dataclass(frozen=True, slots=True)
+class ProcessedRequest:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams                # as the user gave them
+    core_requests: list[EngineCoreRequest]  # one per sample; best_of > n makes best_of of them
+    num_returned: int | None              # best_of > n: keep the best n once all finish
+    keep_logprobs: bool                   # False when logprobs were turned on only to rank best_of samples
+
+
 class Processor:
-    def __init__(self, loaded, config: ModelConfig, max_model_len: int) -> None:
+    def __init__(self, loaded: Any, config: ModelConfig, max_model_len: int) -> None:
         self.tokenizer = loaded.tokenizer
         self.vocab_size = loaded.hf_config.vocab_size
         self._eos = tuple(loaded.eos_token_ids)
         self.max_model_len = max_model_len
         self.chat_template = _read_template(config.chat_template) or loaded.chat_template
+        # Every token covers at most this many characters of text, so a text longer than
+        # max_model_len * this can be refused without tokenizing it (a 30 MB prompt costs nothing).
+        self.max_chars_per_token = max((len(t) for t in self.tokenizer.get_vocab()), default=1) or 1
 
     def tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
+        text: str | None = None
         if isinstance(prompt, dict):
+            text = prompt.get("prompt")
             if "prompt_token_ids" in prompt:
                 prompt = list(prompt["prompt_token_ids"])
             elif "prompt" in prompt:
@@ -27,10 +53,10 @@ class Processor:
             else:
                 raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
         if isinstance(prompt, str):
-            text: str | None = prompt
+            text = prompt
+            self.check_text_length(prompt)
             ids = self.tokenizer.encode(prompt) if prompt else []
         elif isinstance(prompt, (list, tuple)):
-            text = None
             ids = list(prompt)
             bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size]
             if bad:
@@ -39,10 +65,18 @@ class Processor:
             raise ValueError(f"unsupported prompt type {type(prompt).__name__}")
         if not ids:
             raise ValueError("the prompt is empty")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"the prompt has {len(ids)} tokens, but max_model_len is {self.max_model_len}; "
-                             "at least one token must be left to generate")
+        self._check_num_tokens(len(ids))
         return text, ids
+
+    def check_text_length(self, text: str) -> None:
+        if len(text) > self.max_model_len * self.max_chars_per_token:
+            raise ValueError(f"the prompt has {len(text)} characters, more than {self.max_model_len} tokens "
+                             f"(max_model_len) can hold")
+
+    def _check_num_tokens(self, num_tokens: int) -> None:
+        if num_tokens >= self.max_model_len:
+            raise ValueError(f"the prompt has {num_tokens} tokens, but max_model_len is {self.max_model_len}; "
+                             "at least one token must be left to generate")
 
     def resolve_max_tokens(self, prompt_ids: list[int], params: SamplingParams) -> int:
         room = self.max_model_len - len(prompt_ids)
@@ -55,14 +89,40 @@ class Processor:
 
     def check_token_ids(self, params: SamplingParams) -> None:
         # Token ids in the params index [V] logits rows; out-of-vocabulary ids would fail inside a batched
-        # step and take the other requests of that step down with them, so they are refused here.
-        for name, ids in (("allowed_token_ids", params.allowed_token_ids), ("logit_bias", params.logit_bias)):
+        # step, so they are refused here.
+        for name, ids in (("allowed_token_ids", params.allowed_token_ids), ("logit_bias", params.logit_bias),
+                          ("stop_token_ids", params.stop_token_ids)):
             bad = [t for t in ids or () if not 0 <= t < self.vocab_size]
             if bad:
                 raise ValueError(f"{name} must be token ids in [0, {self.vocab_size}), got {bad[:5]}")
 
     def eos_token_ids(self, params: SamplingParams) -> tuple[int, ...]:
         return self._eos
+
+    def process(self, request_id: str, prompt: PromptInput, params: SamplingParams,
+                arrival_time: float | None = None) -> ProcessedRequest:
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        prompt_text, prompt_ids = self.tokenize(prompt)
+        max_tokens = self.resolve_max_tokens(prompt_ids, params)
+        self.check_token_ids(params)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        num_samples = params.best_of or params.n
+        num_returned, keep_logprobs = None, True
+        core_params = params
+        if num_samples > params.n:
+            # Ranking needs each sample's cumulative logprob, so the sampler must report logprobs.
+            num_returned, keep_logprobs = params.n, params.logprobs is not None
+            core_params = dataclasses.replace(params, logprobs=params.logprobs or 0)
+        eos = self.eos_token_ids(params)
+        reqs = []
+        for i in range(num_samples):
+            # Sample i of a seeded request uses seed + i, so n=4 equals four requests seeded s..s+3.
+            p = core_params if num_samples == 1 else _child_params(core_params, i)
+            seq_id = request_id if num_samples == 1 else f"{request_id}#{i}"
+            reqs.append(EngineCoreRequest(seq_id, prompt_ids, p, max_tokens, eos, arrival,
+                                          fork_of=None if i == 0 else reqs[0].req_id))
+        return ProcessedRequest(request_id, prompt_text, prompt_ids, params, reqs, num_returned, keep_logprobs)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], chat_template: str | None = None,
                             add_generation_prompt: bool = True, **kwargs: Any) -> str:
@@ -74,16 +134,35 @@ class Processor:
         for m in messages:
             if not isinstance(m, dict) or "role" not in m:
                 raise ValueError(f"each message needs a 'role', got {m!r}")
-        return self.tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt, **kwargs)
+            if isinstance(m.get("content"), str):
+                self.check_text_length(m["content"])
+        try:
+            return self.tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt, **kwargs)
+        except Exception as exc:  # jinja2 errors, the template's raise_exception(): the request's fault
+            if isinstance(exc, ValueError):
+                raise
+            raise ValueError(f"the chat template failed on these messages: {exc}") from exc
+
+    def chat_prompt(self, messages: list[dict[str, Any]], chat_template: str | None = None,
+                    add_generation_prompt: bool = True, **kwargs: Any) -> dict[str, Any]:
+        # The template already holds any special tokens; encoding must not add a second BOS.
+        text = self.apply_chat_template(messages, chat_template, add_generation_prompt, **kwargs)
+        return {"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)}
+
+
+def _child_params(params: SamplingParams, index: int) -> SamplingParams:
+    seed = None if params.seed is None else params.seed + index
+    # Prompt logprobs belong to the request: the first sample computes them, the others fork its prompt
+    # blocks (or, failing that, may take prefix-cache hits) and need not score the prompt again.
+    prompt_logprobs = params.prompt_logprobs if index == 0 else None
+    return dataclasses.replace(params, n=1, best_of=None, seed=seed, prompt_logprobs=prompt_logprobs)
 
 
 def _read_template(template: str | None) -> str | None:
     # A template argument may be a file path or the template text itself.
     if template is None:
         return None
-    import os
-
     if ("{%" not in template and "{{" not in template) and os.path.isfile(template):
         with open(template, encoding="utf-8") as f:
             return f.read()

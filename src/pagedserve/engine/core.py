@@ -1,0 +1,259 @@
+"""The engine core: scheduler + KV cache manager + model runner. Token ids in, token-id deltas out; no text.
+
+One step: schedule -> run the model -> update requests -> one EngineCoreOutput per request that moved.
+
+    front-end (Processor, OutputProcessor)          engine core (this module)
+    EngineCoreRequest(s) of one user request  --->   add_requests: validate all, then add all
+    RequestOutput <- detokenize, stop strings <---   step(): EngineCoreOutput(new_token_ids, logprobs, finish)
+    finish_requests(ids) (stop string hit)    --->   free the blocks
+
+Every per-request failure stays with its request: a step that raises is run again one request at a time,
+and only the requests that still raise are failed (with the error in their EngineCoreOutput).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from pagedserve.config import EngineConfig
+from pagedserve.core.kv_cache_manager import KVCacheManager
+from pagedserve.core.request import Request, RequestStatus
+from pagedserve.core.scheduler import Scheduler
+from pagedserve.core.scheduler_output import ModelRunnerOutput, PromptLogprobsChunk, SchedulerOutput
+from pagedserve.metrics.stats import EngineStats, RequestStats
+from pagedserve.model.loader import load_model
+from pagedserve.sampling_params import SamplingParams
+from pagedserve.worker.kv_cache import allocate_host_caches, allocate_kv_caches, kv_bytes_per_block
+from pagedserve.worker.memory import plan_num_blocks
+from pagedserve.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineCoreRequest:
+    # One sequence the core generates. A user request with n samples is n of these; samples after the first
+    # name it in fork_of, so they share its prompt blocks instead of computing the prompt again.
+    req_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    eos_token_ids: tuple[int, ...]
+    arrival_time: float
+    fork_of: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SampledLogprobs:
+    # For each new token: its logprob, its rank, and the top (token id, logprob) alternatives.
+    logprobs: list[float]
+    ranks: list[int | None]
+    top: list[list[tuple[int, float]]]
+
+
+@dataclass(slots=True)
+class EngineCoreOutput:
+    req_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None          # "stop", "length", "abort" or "error"
+    stop_reason: int | str | None = None      # the stop token id that ended it
+    new_logprobs: SampledLogprobs | None = None
+    prompt_logprobs: PromptLogprobsChunk | None = None
+    cumulative_logprob: float = 0.0
+    num_cached_tokens: int = 0
+    error: str | None = None                  # set with finish_reason "error"
+    stats: RequestStats | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class _StepFailures:
+    errors: dict[str, str] = field(default_factory=dict)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        device = torch.device(config.device.resolve())
+        if config.device.num_threads:
+            torch.set_num_threads(config.device.num_threads)
+        dtype = getattr(torch, config.model.dtype)
+        t0 = time.perf_counter()
+        loaded = load_model(config.model.model, device, dtype, config.model.attention_backend)
+        # The core never reads text; the front-end takes the loaded tokenizer and template from here.
+        self.loaded = loaded
+        self.model_name = loaded.model_name
+        self.hf_config = hf = loaded.hf_config
+        max_len = config.model.max_model_len or loaded.max_model_len
+        if max_len > loaded.max_model_len:
+            raise ValueError(f"max_model_len {max_len} exceeds the model's context length "
+                             f"{loaded.max_model_len}")
+        self.max_model_len = max_len
+        num_kv_heads = hf.num_key_value_heads
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        bs = config.cache.block_size
+        num_blocks = plan_num_blocks(config.cache, hf.num_hidden_layers, num_kv_heads, head_dim, dtype, device)
+        kv_caches = allocate_kv_caches(hf.num_hidden_layers, num_blocks, bs, num_kv_heads, head_dim, dtype,
+                                       device)
+        per_block = kv_bytes_per_block(hf.num_hidden_layers, bs, num_kv_heads, head_dim, dtype)
+        num_host_blocks = int(config.cache.swap_space_gib * (1 << 30)) // per_block
+        if config.cache.preemption_mode == "swap" and num_host_blocks == 0:
+            raise ValueError("preemption_mode='swap' needs swap_space > 0 (GiB of host memory)")
+        self.kv = KVCacheManager(num_blocks, bs, config.cache.enable_prefix_caching, num_host_blocks)
+        self.scheduler = Scheduler(config.scheduler, self.kv, max_len, config.cache.preemption_mode)
+        self.runner = ModelRunner(loaded.model, kv_caches, bs, hf.vocab_size, device)
+        if num_host_blocks:
+            self.runner.host_caches = allocate_host_caches(hf.num_hidden_layers, num_host_blocks, bs,
+                                                           num_kv_heads, head_dim, dtype, device)
+        self.stats = EngineStats()
+        # Requests failed inside a step, reported by the next step() (an abort may already have been sent).
+        self._failed: list[EngineCoreOutput] = []
+        logger.info("loaded %s in %.1fs on %s; KV pool: %d blocks x %d tokens = %d tokens",
+                    self.model_name, time.perf_counter() - t0, device, num_blocks, bs, num_blocks * bs)
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.kv.num_blocks
+
+    def add_requests(self, reqs: list[EngineCoreRequest]) -> None:
+        """All or nothing: every check runs before the first request enters the scheduler."""
+        seen: set[str] = set()
+        for r in reqs:
+            if r.req_id in self.scheduler.requests or r.req_id in seen:
+                raise ValueError(f"request id {r.req_id!r} is already in use")
+            seen.add(r.req_id)
+            if r.fork_of is not None and r.fork_of not in seen:
+                raise ValueError(f"request {r.req_id!r} forks {r.fork_of!r}, which is not added before it")
+            self.scheduler.check_request(len(r.prompt_token_ids), r.max_tokens)
+        by_id: dict[str, Request] = {}
+        for r in reqs:
+            req = Request(r.req_id, r.prompt_token_ids, r.params, r.max_tokens, r.eos_token_ids, r.arrival_time)
+            self.scheduler.add_request(req, fork_of=by_id.get(r.fork_of) if r.fork_of else None)
+            by_id[r.req_id] = req
+
+    def finish_requests(self, req_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
+        # Aborts (client gone) and stop-string hits found by the front-end. Unknown ids are already done.
+        for req_id in req_ids:
+            req = self.scheduler.finish_request(req_id, status)
+            if req is None:
+                continue
+            if status is RequestStatus.FINISHED_ABORTED:
+                self.stats.num_aborted += 1
+            self.stats.record_finished(req)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._failed)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.scheduler.requests)
+
+    def step(self) -> list[EngineCoreOutput]:
+        outputs, self._failed = self._failed, []
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            # schedule() has drained finished ids and pending block ops into the plan; the runner must still
+            # see them (free per-request state, run swap copies) even though nothing computes.
+            if plan.finished_req_ids or plan.block_ops:
+                self.runner.execute(plan)
+            return outputs
+        t0 = time.perf_counter()
+        now = time.monotonic()
+        for s in plan.scheduled:
+            if s.request.scheduled_time is None:
+                s.request.scheduled_time = now
+        failures = _StepFailures()
+        result = self._execute(plan, failures)
+        for req_id, message in failures.errors.items():
+            req = self.scheduler.finish_request(req_id, RequestStatus.FINISHED_ABORTED)
+            if req is not None:
+                outputs.append(EngineCoreOutput(req_id, [], "error", error=message,
+                                                stats=RequestStats.from_request(req)))
+        updated = self.scheduler.update(plan, result)
+        now = time.monotonic()
+        row_of = {rid: j for j, rid in enumerate(result.req_ids)}
+        for req in updated:
+            if req.first_token_time is None:
+                req.first_token_time = now
+            req.last_token_time = now
+            out = EngineCoreOutput(req.req_id, req.output_token_ids[-1:], cumulative_logprob=req.cumulative_logprob,
+                                   num_cached_tokens=req.num_cached_tokens)
+            j = row_of[req.req_id]
+            if result.prompt_logprobs:
+                out.prompt_logprobs = result.prompt_logprobs.get(req.req_id)
+            if result.logprobs is not None and req.params.logprobs is not None:
+                rank = result.ranks[j] if result.ranks is not None else None
+                top = result.top_logprobs[j] if result.top_logprobs is not None else []
+                out.new_logprobs = SampledLogprobs([result.logprobs[j]], [rank], [top])
+            if req.status.is_finished:
+                out.finish_reason = req.status.value
+                out.stop_reason = req.stop_reason
+                self.stats.record_finished(req)
+            out.stats = RequestStats.from_request(req)
+            outputs.append(out)
+        if result.prompt_logprobs:
+            outputs.extend(self._prompt_logprob_outputs(result.prompt_logprobs, {o.req_id for o in outputs}))
+        self.stats.record_step(plan, self.scheduler.stats(), time.perf_counter() - t0)
+        return outputs
+
+    def _prompt_logprob_outputs(self, chunks: dict[str, PromptLogprobsChunk],
+                                taken: set[str]) -> list[EngineCoreOutput]:
+        extra = []
+        for req_id, chunk in chunks.items():
+            if req_id in taken:
+                continue  # travels with the request's sampled token
+            req = self.scheduler.requests.get(req_id)
+            if req is not None:
+                extra.append(EngineCoreOutput(req_id, [], prompt_logprobs=chunk,
+                                              num_cached_tokens=req.num_cached_tokens))
+        return extra
+
+    def _execute(self, plan: SchedulerOutput, failures: _StepFailures) -> ModelRunnerOutput:
+        try:
+            return self.runner.execute(plan)
+        except Exception as exc:  # noqa: BLE001 (contained below, per request)
+            if len(plan.scheduled) == 1:
+                failures.errors[plan.scheduled[0].request.req_id] = _describe(exc)
+                return ModelRunnerOutput([], [])
+            logger.warning("a step of %d requests failed (%s); running them one at a time",
+                           len(plan.scheduled), _describe(exc))
+        # Block ops and finished ids were applied by the failed call (they come first and are idempotent
+        # only once), so the retries carry just their own request. K/V writes of a retried request land in
+        # the same slots with the same values.
+        parts: list[ModelRunnerOutput] = []
+        for s in plan.scheduled:
+            sub = SchedulerOutput([s], len(s.token_ids))
+            try:
+                parts.append(self.runner.execute(sub))
+            except Exception as exc:  # noqa: BLE001
+                logger.exception("request %s failed inside a step", s.request.req_id)
+                failures.errors[s.request.req_id] = _describe(exc)
+        return merge_runner_outputs(parts)
+
+
+def merge_runner_outputs(parts: list[ModelRunnerOutput]) -> ModelRunnerOutput:
+    merged = ModelRunnerOutput([], [])
+    want_logprobs = any(p.logprobs is not None for p in parts)
+    if want_logprobs:
+        merged.logprobs, merged.top_logprobs, merged.ranks = [], [], []
+    for p in parts:
+        merged.req_ids += p.req_ids
+        merged.sampled_token_ids += p.sampled_token_ids
+        if want_logprobs:
+            # A part without logprobs holds only requests that did not ask for them; placeholders keep rows aligned.
+            n = len(p.req_ids)
+            merged.logprobs += p.logprobs if p.logprobs is not None else [0.0] * n
+            merged.top_logprobs += p.top_logprobs if p.top_logprobs is not None else [[] for _ in range(n)]
+            merged.ranks += p.ranks if p.ranks is not None else [None] * n
+        if p.prompt_logprobs:
+            merged.prompt_logprobs = {**(merged.prompt_logprobs or {}), **p.prompt_logprobs}
+    return merged
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
