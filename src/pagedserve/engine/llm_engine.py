@@ -15,7 +15,7 @@ from pagedserve.core.scheduler_output import ModelRunnerOutput, PromptLogprobsCh
 from pagedserve.engine.detokenizer import IncrementalDetokenizer
 from pagedserve.engine.logprobs import TokenTexts, extend_prompt_logprobs, logprob_entry
 from pagedserve.core.request import Request, RequestStatus
-from pagedserve.engine.processor import Processor, PromptInput
+from pagedserve.engine.processor import Processor, PromptInput, cache_salt_of
 from pagedserve.metrics.stats import EngineStats, RequestStats
 from pagedserve.model.loader import load_model
 from pagedserve.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
@@ -112,6 +112,7 @@ class LLMEngine:
                     arrival_time: float | None = None) -> None:
         if request_id in self.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
+        cache_salt = cache_salt_of(prompt)
         prompt_text, prompt_ids = self.processor.tokenize(prompt)
         max_tokens = self.processor.resolve_max_tokens(prompt_ids, params)
         self.processor.check_token_ids(params)
@@ -128,7 +129,8 @@ class LLMEngine:
             # Sample i of a seeded request uses seed + i, so n=4 equals four requests seeded s..s+3.
             p = params if num_samples == 1 else _child_params(params, i)
             seq_id = request_id if num_samples == 1 else f"{request_id}#{i}"
-            req = Request(seq_id, prompt_ids, p, max_tokens, self.processor.eos_token_ids(p), arrival)
+            req = Request(seq_id, prompt_ids, p, max_tokens, self.processor.eos_token_ids(p), arrival,
+                          cache_salt=cache_salt)
             detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, p)
             group.seqs.append(_Sequence(req, request_id, i, detok, [] if p.logprobs is not None else None))
         first = group.seqs[0].request

@@ -10,6 +10,14 @@ from pagedserve.sampling_params import SamplingParams
 PromptInput = str | list[int] | dict[str, Any]
 
 
+def cache_salt_of(prompt: PromptInput) -> str | None:
+    # vLLM's prompt-dict field: requests with different salts never share prefix-cache blocks.
+    salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise ValueError("cache_salt must be a non-empty string if provided")
+    return salt
+
+
 class Processor:
     def __init__(self, loaded, config: ModelConfig, max_model_len: int) -> None:
         self.tokenizer = loaded.tokenizer
