@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagedserve.engine.processor import cache_salt_of
 from pagedserve.outputs import Logprob
 from pagedserve.sampling_params import BeamSearchParams, SamplingParams
 
@@ -45,6 +46,7 @@ def run_beam_search(llm, prompts: list, params: BeamSearchParams) -> list[BeamSe
         return beam_score(beam.tokens, beam.cum_logprob, eos_id, params.length_penalty)
 
     prompt_ids = [engine.processor.tokenize(p)[1] for p in prompts]
+    salts = [cache_salt_of(p) for p in prompts]  # every step's requests keep their prompt's cache salt
     for ids in prompt_ids:
         engine.processor.resolve_max_tokens(ids, SamplingParams(max_tokens=params.max_tokens))
     live = [[BeamSearchSequence(list(ids))] for ids in prompt_ids]
@@ -53,7 +55,8 @@ def run_beam_search(llm, prompts: list, params: BeamSearchParams) -> list[BeamSe
         flat = [(i, beam) for i, beams in enumerate(live) for beam in beams]
         if not flat:
             break
-        outs = llm.generate([{"prompt_token_ids": beam.tokens} for _, beam in flat], step_params, use_tqdm=False)
+        outs = llm.generate([{"prompt_token_ids": beam.tokens, "cache_salt": salts[i]} for i, beam in flat],
+                            step_params, use_tqdm=False)
         candidates: list[list[BeamSearchSequence]] = [[] for _ in prompts]
         for (i, beam), out in zip(flat, outs):
             for token, lp in out.outputs[0].logprobs[0].items():

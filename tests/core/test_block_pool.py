@@ -2,6 +2,8 @@ import pytest
 
 from pagedserve.core.block_pool import BlockPool, hash_block_tokens
 
+ROOT = b"test-root"
+
 
 def ids(blocks):
     return [b.block_id for b in blocks]
@@ -21,7 +23,7 @@ def test_allocate_takes_lowest_ids_first_and_free_appends_in_given_order():
 def test_cached_free_block_is_found_and_revived_until_evicted():
     pool = BlockPool(3)
     [b0, b1] = pool.allocate(2)
-    h0 = hash_block_tokens(None, [1, 2, 3, 4])
+    h0 = hash_block_tokens(ROOT, [1, 2, 3, 4])
     pool.cache(b0, h0)
     pool.free([b1, b0])
     assert pool.lookup(h0) is b0 and b0.ref_cnt == 0
@@ -39,9 +41,9 @@ def test_cached_free_block_is_found_and_revived_until_evicted():
 
 
 def test_hash_chains_parent():
-    h_a = hash_block_tokens(None, [1, 2])
-    assert hash_block_tokens(h_a, [3, 4]) != hash_block_tokens(hash_block_tokens(None, [9, 9]), [3, 4])
-    assert hash_block_tokens(h_a, [3, 4]) == hash_block_tokens(hash_block_tokens(None, [1, 2]), [3, 4])
+    h_a = hash_block_tokens(ROOT, [1, 2])
+    assert hash_block_tokens(h_a, [3, 4]) != hash_block_tokens(hash_block_tokens(ROOT, [9, 9]), [3, 4])
+    assert hash_block_tokens(h_a, [3, 4]) == hash_block_tokens(hash_block_tokens(ROOT, [1, 2]), [3, 4])
 
 
 def test_double_free_and_overallocation_are_caught():
@@ -57,7 +59,7 @@ def test_double_free_and_overallocation_are_caught():
 def test_duplicate_hash_keeps_first_block():
     pool = BlockPool(4)
     b0, b1 = pool.allocate(2)
-    h = hash_block_tokens(None, [5])
+    h = hash_block_tokens(ROOT, [5])
     pool.cache(b0, h)
     pool.cache(b1, h)
     assert pool.lookup(h) is b0 and b1.block_hash is None
@@ -66,5 +68,5 @@ def test_duplicate_hash_keeps_first_block():
 def test_caching_disabled_never_registers():
     pool = BlockPool(2, enable_caching=False)
     [b] = pool.allocate(1)
-    pool.cache(b, hash_block_tokens(None, [1]))
+    pool.cache(b, hash_block_tokens(ROOT, [1]))
     assert pool.cached == {}

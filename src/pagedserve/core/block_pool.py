@@ -10,6 +10,7 @@ Freed blocks keep their hash and contents: a later request with the same prefix 
 from __future__ import annotations
 
 import hashlib
+import os
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -17,11 +18,31 @@ from dataclasses import dataclass
 BlockHash = bytes
 
 
-def hash_block_tokens(parent_hash: BlockHash | None, token_ids: list[int] | tuple[int, ...],
+def make_hash_root(seed: str | None) -> BlockHash:
+    # The parent of every first block. A fixed root would let anyone who knows the scheme predict block hashes
+    # (and so probe the cache); like vLLM's NONE_HASH it is random per process unless PYTHONHASHSEED pins it.
+    if seed is None or seed == "random":
+        return os.urandom(32)
+    return hashlib.sha256(b"pagedserve-hash-root:" + seed.encode("utf-8", "surrogatepass")).digest()
+
+
+PROCESS_HASH_ROOT: BlockHash = make_hash_root(os.environ.get("PYTHONHASHSEED"))
+
+
+def salt_key(cache_salt: str | None) -> bytes:
+    # Mixed into a request's first block only; the chain carries it to every later block. The tag keeps a
+    # salted block apart from an unsalted one even for an empty salt.
+    if cache_salt is None:
+        return b""
+    return b"salt:" + cache_salt.encode("utf-8", "surrogatepass")
+
+
+def hash_block_tokens(parent_hash: BlockHash, token_ids: list[int] | tuple[int, ...],
                       extra_key: bytes = b"") -> BlockHash:
     # A block's identity is its whole prefix: chaining the parent's hash makes equal tokens at different
     # prefixes hash differently. sha256 makes collisions (which would silently corrupt outputs) negligible.
-    h = hashlib.sha256(parent_hash or b"\0")
+    # Token bytes have a fixed length per block size, so extra_key cannot run into them.
+    h = hashlib.sha256(parent_hash)
     h.update(array("q", token_ids).tobytes())
     h.update(extra_key)
     return h.digest()

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagedserve.core.block_pool import BlockHash, BlockPool, KVBlock, hash_block_tokens
+from pagedserve.core.block_pool import (PROCESS_HASH_ROOT, BlockHash, BlockPool, KVBlock, hash_block_tokens,
+                                        salt_key)
 from pagedserve.core.request import Request
 
 
@@ -43,8 +44,9 @@ class BlockOps:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 num_host_blocks: int = 0) -> None:
+                 num_host_blocks: int = 0, hash_root: BlockHash | None = None) -> None:
         self.block_size = block_size
+        self.hash_root = PROCESS_HASH_ROOT if hash_root is None else hash_root
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
         self.host_pool = BlockPool(num_host_blocks, False) if num_host_blocks else None
@@ -73,8 +75,10 @@ class KVCacheManager:
         bs = self.block_size
         tokens = req.all_token_ids
         for i in range(len(hashes), num_full_blocks):
-            parent = hashes[i - 1] if i else None
-            hashes.append(hash_block_tokens(parent, tokens[i * bs:(i + 1) * bs]))
+            if i:
+                hashes.append(hash_block_tokens(hashes[i - 1], tokens[i * bs:(i + 1) * bs]))
+            else:  # requests with different cache salts never share a block
+                hashes.append(hash_block_tokens(self.hash_root, tokens[:bs], salt_key(req.cache_salt)))
         return hashes
 
     def get_computed_blocks(self, req: Request) -> tuple[list[KVBlock], int]:

@@ -30,6 +30,8 @@ class Request:
     max_tokens: int                  # resolved against max_model_len
     eos_token_ids: tuple[int, ...] = ()
     arrival_time: float = field(default_factory=time.monotonic)
+    # Tenant key for the prefix cache: only requests with the same salt (or both None) share blocks.
+    cache_salt: str | None = None
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)
     # Tokens whose K/V is in the cache. Prefill, chunked prefill, prefix hits and recompute after

@@ -44,6 +44,7 @@ class EngineCoreRequest:
     eos_token_ids: tuple[int, ...]
     arrival_time: float
     fork_of: str | None = None
+    cache_salt: str | None = None  # requests with different salts never share prefix-cache blocks
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,7 +134,8 @@ class EngineCore:
             self.scheduler.check_request(len(r.prompt_token_ids), r.max_tokens)
         by_id: dict[str, Request] = {}
         for r in reqs:
-            req = Request(r.req_id, r.prompt_token_ids, r.params, r.max_tokens, r.eos_token_ids, r.arrival_time)
+            req = Request(r.req_id, r.prompt_token_ids, r.params, r.max_tokens, r.eos_token_ids, r.arrival_time,
+                          cache_salt=r.cache_salt)
             self.scheduler.add_request(req, fork_of=by_id.get(r.fork_of) if r.fork_of else None)
             by_id[r.req_id] = req
 

@@ -31,6 +31,14 @@ class ProcessedRequest:
     keep_logprobs: bool                   # False when logprobs were turned on only to rank best_of samples
 
 
+def cache_salt_of(prompt: PromptInput) -> str | None:
+    # vLLM's prompt-dict field: requests with different salts never share prefix-cache blocks.
+    salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise ValueError("cache_salt must be a non-empty string if provided")
+    return salt
+
+
 class Processor:
     def __init__(self, loaded: Any, config: ModelConfig, max_model_len: int) -> None:
         self.tokenizer = loaded.tokenizer
@@ -103,6 +111,7 @@ class Processor:
                 arrival_time: float | None = None) -> ProcessedRequest:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        cache_salt = cache_salt_of(prompt)
         prompt_text, prompt_ids = self.tokenize(prompt)
         max_tokens = self.resolve_max_tokens(prompt_ids, params)
         self.check_token_ids(params)
@@ -121,7 +130,7 @@ class Processor:
             p = core_params if num_samples == 1 else _child_params(core_params, i)
             seq_id = request_id if num_samples == 1 else f"{request_id}#{i}"
             reqs.append(EngineCoreRequest(seq_id, prompt_ids, p, max_tokens, eos, arrival,
-                                          fork_of=None if i == 0 else reqs[0].req_id))
+                                          fork_of=None if i == 0 else reqs[0].req_id, cache_salt=cache_salt))
         return ProcessedRequest(request_id, prompt_text, prompt_ids, params, reqs, num_returned, keep_logprobs)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], chat_template: str | None = None,

@@ -58,6 +58,8 @@ class _SamplingRequest(OpenAIBaseModel):
     user: str | None = None
     # vLLM extra: top-k logprobs of every prompt token, returned as `prompt_logprobs` (non-streamed only).
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # vLLM extra: requests share prefix-cache blocks only with requests that carry the same salt.
+    cache_salt: str | None = Field(None, min_length=1)
 
     @model_validator(mode="after")
     def _check_prompt_logprobs(self) -> Any:

@@ -20,12 +20,13 @@ from pagedserve.server.protocol import (ChatChoice, ChatChoiceLogprobs, ChatComp
 from pagedserve.server.streaming import SSE_DONE, SSEResponse, json_response, sse, unless_disconnected
 
 
-def chat_prompt(messages: list[dict[str, Any]], add_generation_prompt: bool):
+def chat_prompt(messages: list[dict[str, Any]], add_generation_prompt: bool, cache_salt: str | None = None):
     # Runs on the engine thread (see AsyncLLMEngine.add_requests). Same steps as LLM.chat, so a greedy chat
     # request here answers exactly as offline: the template holds the special tokens, so none are added.
-    def render(engine: Any) -> dict[str, list[int]]:
+    def render(engine: Any) -> dict[str, Any]:
         text = engine.processor.apply_chat_template(messages, None, add_generation_prompt)
-        return {"prompt_token_ids": engine.tokenizer.encode(text, add_special_tokens=False)}
+        return {"prompt_token_ids": engine.tokenizer.encode(text, add_special_tokens=False),
+                "cache_salt": cache_salt}
 
     return render
 
@@ -68,8 +69,8 @@ class OpenAIServingChat:
                                         prompt_logprobs=req.prompt_logprobs)
         messages = [m.to_template_dict() for m in req.messages]
         request_id = random_id("chatcmpl")
-        stream = await self.ctx.engine.add_request(request_id, chat_prompt(messages, req.add_generation_prompt),
-                                                   params)
+        stream = await self.ctx.engine.add_request(
+            request_id, chat_prompt(messages, req.add_generation_prompt, req.cache_salt), params)
         created = int(time.time())
         if req.stream:
             return SSEResponse(self._stream(req, stream, request_id, created), on_close=stream.close)

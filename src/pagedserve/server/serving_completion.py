@@ -62,6 +62,13 @@ async def first_token_texts(ctx: ServerContext, outs: list[RequestOutput]) -> li
     return await ctx.engine.call(lambda e: [e.token_texts(o.prompt_token_ids[0]) for o in outs])
 
 
+def salted(prompt: str | list[int], cache_salt: str | None) -> str | list[int] | dict:
+    if cache_salt is None:
+        return prompt
+    key = "prompt" if isinstance(prompt, str) else "prompt_token_ids"
+    return {key: prompt, "cache_salt": cache_salt}
+
+
 @dataclass(slots=True)
 class _ChoiceState:
     # How much of a choice's cumulative output the client has already been sent.
@@ -89,7 +96,8 @@ class OpenAIServingCompletion:
             echo_texts = await engine.call(lambda e: [p if isinstance(p, str) else e.tokenizer.decode(p)
                                                       for p in prompts])
         sub_ids = [f"{request_id}-{i}" for i in range(len(prompts))]
-        stream = await engine.add_requests([(rid, p, params) for rid, p in zip(sub_ids, prompts)])
+        stream = await engine.add_requests([(rid, salted(p, req.cache_salt), params)
+                                            for rid, p in zip(sub_ids, prompts)])
         created = int(time.time())
         if req.stream:
             return SSEResponse(self._stream(req, stream, request_id, created, sub_ids, echo_texts),
