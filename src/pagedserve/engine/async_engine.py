@@ -1,13 +1,16 @@
-"""LLMEngine behind one background thread, so asyncio code (the HTTP server) can add, stream and abort.
+"""The asyncio front-end (vLLM's AsyncLLM) over an EngineCore stepped by one background thread.
 
-Thread confinement: the LLMEngine, its tokenizer included, is touched only by the engine thread. Other threads
-submit commands (closures) to a queue that the engine thread runs between steps, and receive outputs through
-per-stream asyncio queues fed with call_soon_threadsafe.
+Text never reaches the engine thread. Prompts are tokenized and validated on a tokenizer thread, outputs are
+detokenized on the event loop, and only token ids cross to and from the core:
 
-    event loop thread                         engine thread
-    add_requests() --command--> queue ----->  run commands, step(), step(), ...
-    async for out in stream  <--call_soon_threadsafe--  dispatch outputs
-    stream.close() --abort command--> queue   (idle: sleep on an Event until a command arrives)
+    event loop                      tokenizer thread               engine thread (EngineCore only)
+    add_requests() ----prompt---->  Processor.process
+                   <--core reqs---                      ----add command---->  add_requests, step, step, ...
+    OutputProcessor (detokenize, stop strings)  <--EngineCoreOutputs (call_soon_threadsafe)--
+      -> per-request OutputStream (deltas merged while the client lags: memory stays O(output))
+    stop string / close() / disconnect  ------------------finish command---->  free the blocks
+
+The engine thread runs the commands queued between steps; the core is touched by nothing else.
 """
 from __future__ import annotations
 
@@ -16,32 +19,29 @@ import concurrent.futures
 import logging
 import queue
 import threading
-from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Sequence, TypeVar
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence, TypeVar
 
+from pagedserve.core.request import RequestStatus
 from pagedserve.core.scheduler_output import SchedulerStats
-from pagedserve.engine.processor import PromptInput
-from pagedserve.outputs import RequestOutput
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.engine.output_processor import OutputProcessor, ProcessedOutputs
+from pagedserve.engine.output_stream import EngineClosedError, EngineError, OutputStream
+from pagedserve.engine.processor import Processor, PromptInput
+from pagedserve.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-# A callable prompt is rendered on the engine thread (chat templates and encoding need the tokenizer).
-Prompt = PromptInput | Callable[[Any], PromptInput]
-
-
-class EngineError(RuntimeError):
-    """A request failed inside the engine (a step raised); the engine itself keeps serving."""
-
-
-class EngineClosedError(RuntimeError):
-    """The engine was shut down."""
+# A callable prompt is rendered by the Processor on the tokenizer thread (chat templates).
+Prompt = PromptInput | Callable[[Processor], PromptInput]
+__all__ = ["AsyncLLMEngine", "EngineClosedError", "EngineError", "EngineSnapshot", "OutputStream"]
 
 
 @dataclass(frozen=True, slots=True)
 class EngineSnapshot:
-    # Taken by the engine thread after each step or command batch, so exporters never read live engine state.
+    # Taken by the engine thread after each step, before its outputs are handed over, so /metrics never
+    # lags a response the client already has.
     scheduler: SchedulerStats | None
     num_prompt_tokens_total: int
     num_generation_tokens_total: int
@@ -49,83 +49,26 @@ class EngineSnapshot:
     num_aborted: int
 
 
-@dataclass(slots=True)
-class _Failure:
-    request_id: str
-    error: BaseException
-
-
-@dataclass(slots=True, eq=False)
-class OutputStream:
-    """Cumulative RequestOutputs of one or more requests added together (a completion with several prompts).
-
-    Outputs are cumulative, so when the consumer falls behind only the newest output per request is kept.
-    Leaving the iteration early (break, cancellation, client disconnect) or close() aborts what is unfinished.
-    """
-    owner: AsyncLLMEngine
-    request_ids: list[str]
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    unfinished: set[str] = field(default_factory=set)
-
-    def __post_init__(self) -> None:
-        self.unfinished = set(self.request_ids)
-
-    @property
-    def finished(self) -> bool:
-        return not self.unfinished
-
-    def _put(self, item: RequestOutput | _Failure) -> None:  # engine thread
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:  # the consumer's loop is closed: nobody will read this request
-            self.owner.abort(item.request_id)
-
-    def close(self) -> None:
-        if self.unfinished:
-            self.owner.abort(sorted(self.unfinished))
-            self.unfinished.clear()
-
-    def __aiter__(self) -> AsyncIterator[RequestOutput]:
-        return self._iterate()
-
-    async def _iterate(self) -> AsyncIterator[RequestOutput]:
-        try:
-            while self.unfinished:
-                items = [await self.queue.get()]
-                while not self.queue.empty():
-                    items.append(self.queue.get_nowait())
-                latest: dict[str, RequestOutput] = {}
-                for item in items:
-                    if isinstance(item, _Failure):
-                        self.unfinished.discard(item.request_id)  # the engine already dropped it
-                        raise item.error
-                    latest[item.request_id] = item
-                for out in latest.values():
-                    if out.finished:
-                        self.unfinished.discard(out.request_id)
-                    yield out
-        finally:
-            self.close()
-
-
 class AsyncLLMEngine:
-    def __init__(self, engine: Any = None, start: bool = True, *, factory: Callable[[], Any] | None = None) -> None:
-        # Either a built engine, or a factory that builds it on the engine thread (see from_config).
-        if (engine is None) == (factory is None):
-            raise ValueError("pass exactly one of engine and factory")
+    def __init__(self, core: Any = None, start: bool = True, *, factory: Callable[[], Any] | None = None) -> None:
+        # Either a built EngineCore, or a factory that builds it on the engine thread (see from_config).
+        if (core is None) == (factory is None):
+            raise ValueError("pass exactly one of core and factory")
         self._factory = factory
-        self.engine = engine
+        self.core = core
         self._ready = threading.Event()
         self._init_error: BaseException | None = None
-        if self.engine is not None:
+        if self.core is not None:
             self._set_facts()
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._lock = threading.Lock()  # orders _closed against command submission
         self._closed = False
-        self._streams: dict[str, OutputStream] = {}  # engine thread only
-        self.snapshot: EngineSnapshot = EngineSnapshot(None, 0, 0, {}, 0)
+        self._busy_since: float | None = None  # set while the engine thread is inside a step or command
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._streams: dict[str, OutputStream] = {}  # event loop only
+        self._tokenizer_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pagedserve-tokenizer")
+        self.snapshot = EngineSnapshot(None, 0, 0, {}, 0)
         self._thread = threading.Thread(target=self._run, name="pagedserve-engine", daemon=True)
         if start:
             self.start()
@@ -137,13 +80,13 @@ class AsyncLLMEngine:
         # thread's OpenMP team (load on the main thread, steps on the engine thread) causes; every parallel
         # region then pays a futex wake-up. Measured single-stream decode, 2 threads: 11.7 ms per token with
         # everything on one thread, 24.4 ms when the steps run on a second one.
-        from pagedserve.engine.llm_engine import LLMEngine
+        from pagedserve.engine.core import EngineCore
 
-        return cls.from_factory(lambda: LLMEngine(config))
+        return cls.from_factory(lambda: EngineCore(config))
 
     @classmethod
     def from_factory(cls, factory: Callable[[], Any]) -> AsyncLLMEngine:
-        # Builds the engine on the engine thread and waits for it; a construction error is raised here.
+        # Builds the core on the engine thread and waits for it; a construction error is raised here.
         async_engine = cls(factory=factory)
         async_engine._ready.wait()
         if async_engine._init_error is not None:
@@ -151,12 +94,15 @@ class AsyncLLMEngine:
         return async_engine
 
     def _set_facts(self) -> None:
-        # Facts fixed at load time, safe to read from any thread.
-        engine = self.engine
-        self.model_name: str = engine.model_name
-        self.max_model_len: int = engine.max_model_len
-        self.num_kv_blocks: int = engine.num_kv_blocks
-        self.block_size: int = engine.config.cache.block_size
+        # Fixed at load time, safe to read from any thread. The front-end halves live off the engine thread.
+        core = self.core
+        self.model_name: str = core.model_name
+        self.max_model_len: int = core.max_model_len
+        self.num_kv_blocks: int = core.num_kv_blocks
+        self.block_size: int = core.config.cache.block_size
+        self.processor = Processor(core.loaded, core.config.model, core.max_model_len)
+        self.tokenizer = self.processor.tokenizer
+        self.output_processor = OutputProcessor(self.tokenizer)
 
     # ---- any thread -------------------------------------------------------------------------------------
 
@@ -168,62 +114,76 @@ class AsyncLLMEngine:
     def is_running(self) -> bool:
         return self._thread.is_alive() and not self._closed
 
+    def is_healthy(self, max_stall_s: float) -> bool:
+        # Alive, and not stuck: no step or command has been running for longer than max_stall_s.
+        busy = self._busy_since
+        return self.is_running and (busy is None or time.monotonic() - busy <= max_stall_s)
+
     def shutdown(self, timeout: float | None = 10.0) -> None:
         with self._lock:
             self._closed = True
         self._wakeup.set()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout)
-
-    def abort(self, request_ids: str | Sequence[str]) -> None:
-        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        try:
-            self._submit(lambda: self._abort(ids))
-        except EngineClosedError:
-            pass  # shutdown fails every stream anyway
+        self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
 
     def add_finished_callback(self, fn: Callable[[Any], None]) -> None:
-        # Registered through the queue so the engine's callback list changes only on its own thread; fn is
-        # called there with each finished sequence's RequestStats.
-        self._submit(lambda: self.engine.stats.on_finished.append(fn))
+        # Called on the engine thread with each finished sequence's RequestStats.
+        self._submit(lambda: self.core.stats.on_finished.append(fn))
 
     async def call(self, fn: Callable[[Any], T]) -> T:
-        """Run fn(engine) on the engine thread between steps and return its result (or raise its error)."""
+        """Run fn(core) on the engine thread between steps and return its result (or raise its error)."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
 
         def command() -> None:
             if not fut.set_running_or_notify_cancel():
                 return
             try:
-                fut.set_result(fn(self.engine))
+                fut.set_result(fn(self.core))
             except BaseException as exc:  # noqa: BLE001 (handed to the caller)
                 fut.set_exception(exc)
 
         self._submit(command)
         return await asyncio.wrap_future(fut)
 
+    async def run_processor(self, fn: Callable[[Processor], T]) -> T:
+        """Run fn(processor) on the tokenizer thread: tokenize, render templates, decode."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, fn, self.processor)
+
+    # ---- event loop ---------------------------------------------------------------------------------------
+
+    def abort(self, request_ids: str | Sequence[str]) -> None:
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        for rid in ids:
+            self._streams.pop(rid, None)
+        self._finish_in_core(self.output_processor.abort_requests(ids), RequestStatus.FINISHED_ABORTED)
+
     async def add_requests(self, requests: Sequence[tuple[str, Prompt, SamplingParams]]) -> OutputStream:
         """Add all requests or none; a ValueError from validation (prompt too long, ...) reaches the caller."""
-        stream = OutputStream(self, [rid for rid, _, _ in requests], asyncio.get_running_loop())
+        if self._closed:
+            raise EngineClosedError("the engine is shut down")
+        loop = asyncio.get_running_loop()
+        self._loop = loop
 
-        def add(engine: Any) -> None:
-            added: list[str] = []
-            try:
-                for rid, prompt, params in requests:
-                    engine.add_request(rid, prompt(engine) if callable(prompt) else prompt, params)
-                    added.append(rid)
-            except BaseException:
-                engine.abort_request(added)
-                raise
-            for rid in added:
-                self._streams[rid] = stream
+        def process(proc: Processor) -> list:
+            return [proc.process(rid, prompt(proc) if callable(prompt) else prompt, params)
+                    for rid, prompt, params in requests]
 
+        processed = await self.run_processor(process)
+        ids = [p.request_id for p in processed]
+        if len(set(ids)) != len(ids) or any(rid in self._streams for rid in ids):
+            raise ValueError(f"request ids {ids} are already in use")
+        delta_ids = {p.request_id for p in processed if p.params.output_kind is RequestOutputKind.DELTA}
+        stream = OutputStream(self, ids, delta_ids)
+        for p in processed:
+            self.output_processor.add_request(p)
+            self._streams[p.request_id] = stream
+        core_reqs = [r for p in processed for r in p.core_requests]
         try:
-            await self.call(add)
-        except asyncio.CancelledError:
-            stream.close()  # the add may still run after we are gone; this abort is queued behind it
-            raise
+            await self.call(lambda core: core.add_requests(core_reqs))
         except BaseException:
+            # Not added (validation in the core), or the caller went away: forget them here and in the core.
+            self.abort(ids)
             stream.unfinished.clear()
             raise
         return stream
@@ -231,14 +191,51 @@ class AsyncLLMEngine:
     async def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams) -> OutputStream:
         return await self.add_requests([(request_id, prompt, params)])
 
-    async def generate(self, prompt: Prompt, params: SamplingParams,
-                       request_id: str) -> AsyncIterator[RequestOutput]:
+    async def generate(self, prompt: Prompt, params: SamplingParams, request_id: str):
         stream = await self.add_request(request_id, prompt, params)
         try:
             async for out in stream:
                 yield out
         finally:
             stream.close()
+
+    def _process_outputs(self, core_outputs: list) -> None:
+        processed: ProcessedOutputs = self.output_processor.process_outputs(core_outputs)
+        for out in processed.request_outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            if out.finished:
+                del self._streams[out.request_id]
+            stream.put(out)
+        for rid, message in processed.failures.items():
+            stream = self._streams.pop(rid, None)
+            if stream is not None:
+                stream.fail(rid, EngineError(f"request {rid} failed: {message}"))
+        self._finish_in_core(processed.stopped_core_ids, RequestStatus.FINISHED_STOPPED)
+        self._finish_in_core(processed.aborted_core_ids, RequestStatus.FINISHED_ABORTED)
+
+    def _fail_streams(self, message: str, closed: bool) -> None:
+        streams, self._streams = self._streams, {}
+        self.output_processor.abort_requests(list(streams))
+        for rid, stream in streams.items():
+            stream.fail(rid, EngineClosedError(message) if closed else EngineError(message))
+
+    def _finish_in_core(self, core_ids: list[str], status: RequestStatus) -> None:
+        if core_ids:
+            try:
+                self._submit(lambda: self.core.finish_requests(core_ids, status))
+            except EngineClosedError:
+                pass  # shutdown frees everything anyway
+
+    def _to_loop(self, fn: Callable[..., None], *args: Any) -> None:  # engine thread
+        loop = self._loop
+        if loop is None:
+            return
+        try:
+            loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the loop is closed: nobody reads these requests any more
+            pass
 
     def _submit(self, command: Callable[[], None]) -> None:
         with self._lock:
@@ -252,7 +249,7 @@ class AsyncLLMEngine:
     def _run(self) -> None:
         if self._factory is not None:
             try:
-                self.engine = self._factory()
+                self.core = self._factory()
                 self._set_facts()
             except BaseException as exc:  # noqa: BLE001 (raised by from_config on the caller's thread)
                 self._init_error = exc
@@ -262,20 +259,20 @@ class AsyncLLMEngine:
             finally:
                 self._ready.set()
         try:
-            self._loop()
+            self._engine_loop()
         finally:
             # Normal shutdown, or a bug that escaped the loop: either way nobody may wait forever.
             with self._lock:
                 self._closed = True
             self._run_commands()
-            self._fail_all("the engine stopped", closed=True)
+            self._to_loop(self._fail_streams, "the engine stopped", True)
             try:
                 self._take_snapshot()
             except Exception:  # noqa: BLE001
                 logger.exception("final stats snapshot failed")
 
-    def _loop(self) -> None:
-        engine = self.engine
+    def _engine_loop(self) -> None:
+        core = self.core
         while True:
             # Clear before draining: a command queued after the drain sets the event again, so the waits
             # below cannot sleep through it.
@@ -283,19 +280,24 @@ class AsyncLLMEngine:
             self._run_commands()
             if self._closed:
                 return
-            if not engine.has_unfinished_requests():
+            if not core.has_unfinished_requests():
                 self._take_snapshot()
                 self._wakeup.wait()
                 continue
+            self._busy_since = time.monotonic()
             try:
-                outputs = engine.step()
-                self._dispatch(outputs)
-                self._take_snapshot()
-            except Exception as exc:  # noqa: BLE001 (fail the requests, keep serving)
-                logger.exception("engine step failed; failing %d in-flight requests", len(self._streams))
-                self._fail_all(f"engine step failed: {type(exc).__name__}: {exc}")
+                outputs = core.step()
+            except Exception as exc:  # noqa: BLE001 (a bug outside any one request: fail them, keep serving)
+                logger.exception("engine step failed; failing every request in flight")
+                core.finish_requests(list(core.scheduler.requests))
+                self._to_loop(self._fail_streams, f"engine step failed: {type(exc).__name__}: {exc}", False)
                 continue
-            if not outputs:
+            finally:
+                self._busy_since = None
+            self._take_snapshot()
+            if outputs:
+                self._to_loop(self._process_outputs, outputs)
+            else:
                 # A prefill chunk yields nothing; this short wait only guards against a spinning empty plan.
                 self._wakeup.wait(0.0005)
 
@@ -305,38 +307,16 @@ class AsyncLLMEngine:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return
+            self._busy_since = time.monotonic()
             try:
                 command()
             except Exception:  # noqa: BLE001 (a broken command must not kill the loop)
                 logger.exception("engine command failed")
-
-    def _abort(self, request_ids: list[str]) -> None:
-        self.engine.abort_request(request_ids)
-        for rid in request_ids:
-            self._streams.pop(rid, None)
-
-    def _dispatch(self, outputs: list[RequestOutput]) -> None:
-        for out in outputs:
-            stream = self._streams.get(out.request_id)
-            if stream is None:
-                continue
-            if out.finished:
-                del self._streams[out.request_id]
-            stream._put(out)
-
-    def _fail_all(self, message: str, closed: bool = False) -> None:
-        streams, self._streams = self._streams, {}
-        try:
-            self.engine.abort_request(list(streams))  # frees their blocks; every request has a stream
-        except Exception:  # noqa: BLE001
-            logger.exception("aborting after a failure failed")
-        for rid, stream in streams.items():
-            error = EngineClosedError(message) if closed else EngineError(message)
-            stream._put(_Failure(rid, error))
+            finally:
+                self._busy_since = None
 
     def _take_snapshot(self) -> None:
-        engine = self.engine
-        stats = engine.stats
-        self.snapshot = EngineSnapshot(engine.scheduler.stats(), stats.num_prompt_tokens_total,
+        stats = self.core.stats
+        self.snapshot = EngineSnapshot(self.core.scheduler.stats(), stats.num_prompt_tokens_total,
                                        stats.num_generation_tokens_total, dict(stats.finished_by_reason),
                                        stats.num_aborted)

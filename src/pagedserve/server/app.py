@@ -1,7 +1,7 @@
 """The FastAPI app: routes, OpenAI-style errors, API keys, and the uvicorn runner.
 
-Handlers only add, stream and abort on the AsyncLLMEngine; everything that touches the model or tokenizer runs
-on the engine thread.
+Handlers only add, stream and abort on the AsyncLLMEngine; tokenizer work runs on its tokenizer thread and
+model work on its engine thread, never in a handler.
 """
 from __future__ import annotations
 
@@ -141,28 +141,28 @@ def build_app(engine: AsyncLLMEngine, args: Any) -> FastAPI:
     async def tokenize(req: TokenizeRequest) -> Response:
         ctx.check_model(req.model)
 
-        def run(e: Any) -> list[int]:
+        def run(proc: Any) -> list[int]:
             if req.messages is not None:
-                text = e.processor.apply_chat_template([m.to_template_dict() for m in req.messages], None,
-                                                       req.add_generation_prompt)
-                return e.tokenizer.encode(text, add_special_tokens=False)
-            return e.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+                prompt = proc.chat_prompt([m.to_template_dict() for m in req.messages], None,
+                                          req.add_generation_prompt)
+                return prompt["prompt_token_ids"]
+            proc.check_text_length(req.prompt)
+            return proc.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
 
-        ids = list(await engine.call(run))
+        ids = list(await engine.run_processor(run))
         return json_response(TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len, tokens=ids))
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest) -> Response:
         ctx.check_model(req.model)
 
-        def run(e: Any) -> str:
-            vocab = e.processor.vocab_size
-            bad = [t for t in req.tokens if not 0 <= t < vocab]
+        def run(proc: Any) -> str:
+            bad = [t for t in req.tokens if not 0 <= t < proc.vocab_size]
             if bad:
-                raise ValueError(f"token ids must be in [0, {vocab}), got {bad[:5]}")
-            return e.tokenizer.decode(req.tokens)
+                raise ValueError(f"token ids must be in [0, {proc.vocab_size}), got {bad[:5]}")
+            return proc.tokenizer.decode(req.tokens)
 
-        return json_response(DetokenizeResponse(prompt=await engine.call(run)))
+        return json_response(DetokenizeResponse(prompt=await engine.run_processor(run)))
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from fastapi import Request
@@ -10,23 +9,23 @@ from fastapi.responses import Response
 
 from pagedserve.engine.async_engine import EngineClosedError, OutputStream
 from pagedserve.outputs import Logprob, RequestOutput
+from pagedserve.sampling_params import RequestOutputKind
 from pagedserve.server.context import ServerContext, random_id, usage_of
 from pagedserve.server.errors import OpenAIError
 from pagedserve.server.prompt_logprobs import prompt_logprobs_field
 from pagedserve.server.protocol import (ChatChoice, ChatChoiceLogprobs, ChatCompletionRequest,
                                         ChatCompletionResponse, ChatCompletionStreamResponse,
                                         ChatLogprobEntry, ChatResponseMessage, ChatStreamChoice,
-                                        ChatTopLogprob, DeltaMessage)
+                                        ChatTopLogprob, DeltaMessage, UsageInfo)
 from pagedserve.server.streaming import SSE_DONE, SSEResponse, json_response, sse, unless_disconnected
 
 
 def chat_prompt(messages: list[dict[str, Any]], add_generation_prompt: bool, cache_salt: str | None = None):
-    # Runs on the engine thread (see AsyncLLMEngine.add_requests). Same steps as LLM.chat, so a greedy chat
-    # request here answers exactly as offline: the template holds the special tokens, so none are added.
-    def render(engine: Any) -> dict[str, Any]:
-        text = engine.processor.apply_chat_template(messages, None, add_generation_prompt)
-        return {"prompt_token_ids": engine.tokenizer.encode(text, add_special_tokens=False),
-                "cache_salt": cache_salt}
+    # Rendered by the Processor on the tokenizer thread (see AsyncLLMEngine.add_requests). Same steps as
+    # LLM.chat, so a greedy chat request here answers exactly as offline.
+    def render(processor: Any) -> dict[str, Any]:
+        prompt = processor.chat_prompt(messages, None, add_generation_prompt)
+        return prompt if cache_salt is None else {**prompt, "cache_salt": cache_salt}
 
     return render
 
@@ -50,13 +49,6 @@ def _top(lp: Logprob) -> ChatTopLogprob:
     return ChatTopLogprob(token=token, logprob=lp.logprob, bytes=list(token.encode()))
 
 
-@dataclass(slots=True)
-class _ChoiceState:
-    num_chars: int = 0
-    num_tokens: int = 0
-    done: bool = False
-
-
 class OpenAIServingChat:
     def __init__(self, ctx: ServerContext) -> None:
         self.ctx = ctx
@@ -67,6 +59,7 @@ class OpenAIServingChat:
         num_top = req.top_logprobs or 0
         params = req.to_sampling_params(max_tokens, num_top if req.logprobs else None,
                                         prompt_logprobs=req.prompt_logprobs)
+        params.output_kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
         messages = [m.to_template_dict() for m in req.messages]
         request_id = random_id("chatcmpl")
         stream = await self.ctx.engine.add_request(
@@ -105,29 +98,25 @@ class OpenAIServingChat:
             # As OpenAI does, each choice opens with the assistant role and empty content.
             for i in range(req.n):
                 yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content="")))
-            states = [_ChoiceState() for _ in range(req.n)]
-            last: RequestOutput | None = None
-            async for out in stream:
-                last = out
+            num_prompt_tokens = num_completion_tokens = 0
+            async for out in stream:  # DELTA outputs: only what is new since the previous one
+                num_prompt_tokens = len(out.prompt_token_ids)
                 for c in out.outputs:
-                    st = states[c.index]
-                    if st.done:
-                        continue
-                    text = c.text[st.num_chars:]
-                    new_tokens = c.token_ids[st.num_tokens:]
-                    want_logprobs = req.logprobs and c.logprobs is not None
-                    if not text and c.finish_reason is None and not (want_logprobs and new_tokens):
-                        continue
+                    num_completion_tokens += len(c.token_ids)
                     logprobs = None
-                    if want_logprobs:
-                        logprobs = chat_logprobs(new_tokens, c.logprobs[st.num_tokens:len(c.token_ids)], num_top)
-                    st.num_chars, st.num_tokens, st.done = len(c.text), len(c.token_ids), c.finish_reason is not None
-                    yield chunk(ChatStreamChoice(index=c.index, delta=DeltaMessage(content=text),
+                    if req.logprobs and c.logprobs is not None:
+                        logprobs = chat_logprobs(c.token_ids, c.logprobs, num_top)
+                    if not c.text and c.finish_reason is None and not (logprobs and logprobs.content):
+                        continue
+                    yield chunk(ChatStreamChoice(index=c.index, delta=DeltaMessage(content=c.text),
                                                  logprobs=logprobs, finish_reason=c.finish_reason,
                                                  stop_reason=c.stop_reason))
-            if req.include_usage and last is not None:
+            if req.include_usage:
                 yield sse(ChatCompletionStreamResponse(id=request_id, created=created, model=model, choices=[],
-                                                       usage=usage_of([last])))
+                                                       usage=UsageInfo(prompt_tokens=num_prompt_tokens,
+                                                                       completion_tokens=num_completion_tokens,
+                                                                       total_tokens=num_prompt_tokens
+                                                                       + num_completion_tokens)))
         except EngineClosedError as exc:
             yield OpenAIError(str(exc), 503).sse_payload()
         except Exception as exc:  # noqa: BLE001 (the response has started; report in-band)

@@ -10,11 +10,12 @@ from fastapi.responses import Response
 
 from pagedserve.engine.async_engine import EngineClosedError, OutputStream
 from pagedserve.outputs import Logprob, RequestOutput
+from pagedserve.sampling_params import RequestOutputKind
 from pagedserve.server.context import ServerContext, random_id, usage_of
 from pagedserve.server.errors import OpenAIError
 from pagedserve.server.prompt_logprobs import prompt_logprobs_field
 from pagedserve.server.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest,
-                                        CompletionResponse, CompletionStreamResponse)
+                                        CompletionResponse, CompletionStreamResponse, UsageInfo)
 from pagedserve.server.streaming import SSE_DONE, SSEResponse, json_response, sse, unless_disconnected
 
 
@@ -58,8 +59,9 @@ def end_offset(lp: CompletionLogprobs) -> int:
     return lp.text_offset[-1] + len(lp.tokens[-1]) if lp.tokens else 0
 
 
-async def first_token_texts(ctx: ServerContext, outs: list[RequestOutput]) -> list[str]:
-    return await ctx.engine.call(lambda e: [e.token_texts(o.prompt_token_ids[0]) for o in outs])
+def first_token_texts(ctx: ServerContext, outs: list[RequestOutput]) -> list[str]:
+    texts = ctx.engine.output_processor.token_texts  # memoized single-token decodes, event loop side
+    return [texts(o.prompt_token_ids[0]) for o in outs]
 
 
 def salted(prompt: str | list[int], cache_salt: str | None) -> str | list[int] | dict:
@@ -71,12 +73,8 @@ def salted(prompt: str | list[int], cache_salt: str | None) -> str | list[int] |
 
 @dataclass(slots=True)
 class _ChoiceState:
-    # How much of a choice's cumulative output the client has already been sent.
-    num_chars: int = 0
-    num_tokens: int = 0
-    text_offset: int = 0
-    started: bool = False
-    done: bool = False
+    text_offset: int = 0   # where the next token's text starts in the choice's whole text
+    started: bool = False  # the echoed prompt went out with the first chunk
 
 
 class OpenAIServingCompletion:
@@ -86,6 +84,7 @@ class OpenAIServingCompletion:
     async def create(self, req: CompletionRequest, raw_request: Request) -> Response:
         self.ctx.check_model(req.model)
         params = req.to_sampling_params(req.max_tokens, req.logprobs, req.best_of, req.num_prompt_logprobs)
+        params.output_kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
         prompts = req.prompts()
         request_id = random_id("cmpl")
         engine = self.ctx.engine
@@ -93,8 +92,8 @@ class OpenAIServingCompletion:
         if req.echo and all(isinstance(p, str) for p in prompts):
             echo_texts = list(prompts)  # type: ignore[arg-type]
         elif req.echo:  # token-id prompts are echoed as their text, decoded on the engine thread
-            echo_texts = await engine.call(lambda e: [p if isinstance(p, str) else e.tokenizer.decode(p)
-                                                      for p in prompts])
+            echo_texts = await engine.run_processor(lambda proc: [p if isinstance(p, str) else
+                                                                  proc.tokenizer.decode(p) for p in prompts])
         sub_ids = [f"{request_id}-{i}" for i in range(len(prompts))]
         stream = await engine.add_requests([(rid, salted(p, req.cache_salt), params)
                                             for rid, p in zip(sub_ids, prompts)])
@@ -107,7 +106,7 @@ class OpenAIServingCompletion:
         finally:
             stream.close()
         echo_lp = req.echo and req.logprobs is not None
-        first_texts = await first_token_texts(self.ctx, finals) if echo_lp else []
+        first_texts = first_token_texts(self.ctx, finals) if echo_lp else []
         choices = []
         for i, out in enumerate(finals):
             prompt_lp = echo_logprobs(out, first_texts[i], req.logprobs) if echo_lp else None
@@ -131,50 +130,48 @@ class OpenAIServingCompletion:
                       sub_ids: list[str], echo_texts: list[str]) -> AsyncIterator[str]:
         index_of = {rid: i for i, rid in enumerate(sub_ids)}
         states: dict[int, _ChoiceState] = {}
-        latest: dict[str, RequestOutput] = {}
         # Per prompt: the echoed prompt's logprobs, sent ahead of each choice's first tokens.
         prompt_lps: dict[int, CompletionLogprobs] = {}
         echo_lp = req.echo and req.logprobs is not None
         model = self.ctx.model_name
+        num_prompt_tokens: dict[str, int] = {}
+        num_completion_tokens = 0
         try:
-            async for out in stream:
-                latest[out.request_id] = out
+            async for out in stream:  # DELTA outputs: only what is new since the previous one
+                num_prompt_tokens[out.request_id] = len(out.prompt_token_ids)
                 i = index_of[out.request_id]
                 if echo_lp and i not in prompt_lps:
-                    [first] = await first_token_texts(self.ctx, [out])
+                    [first] = first_token_texts(self.ctx, [out])
                     prompt_lps[i] = echo_logprobs(out, first, req.logprobs)
                 for c in out.outputs:
+                    num_completion_tokens += len(c.token_ids)
                     index = i * req.n + c.index
                     st = states.get(index)
                     if st is None:
                         start = end_offset(prompt_lps[i]) if i in prompt_lps else len(echo_texts[i])
                         st = states[index] = _ChoiceState(text_offset=start)
-                    if st.done:
-                        continue
-                    text = c.text[st.num_chars:]
-                    if not st.started and echo_texts[i]:
-                        text = echo_texts[i] + text
-                    new_tokens = c.token_ids[st.num_tokens:]
+                    text = c.text if st.started or not echo_texts[i] else echo_texts[i] + c.text
                     want_logprobs = req.logprobs is not None and c.logprobs is not None
-                    if not text and c.finish_reason is None and not (want_logprobs and new_tokens):
+                    if not text and c.finish_reason is None and not (want_logprobs and c.token_ids):
                         continue
                     logprobs = None
                     if want_logprobs:
-                        logprobs = legacy_logprobs(new_tokens, c.logprobs[st.num_tokens:len(c.token_ids)],
-                                                   req.logprobs, st.text_offset)
+                        logprobs = legacy_logprobs(c.token_ids, c.logprobs, req.logprobs, st.text_offset)
                         if logprobs.text_offset:
                             st.text_offset = end_offset(logprobs)
                         if not st.started and i in prompt_lps:
                             logprobs = joined(prompt_lps[i], logprobs)
-                    st.num_chars, st.num_tokens = len(c.text), len(c.token_ids)
-                    st.started, st.done = True, c.finish_reason is not None
+                    st.started = True
                     choice = CompletionChoice(index=index, text=text, logprobs=logprobs,
                                               finish_reason=c.finish_reason, stop_reason=c.stop_reason)
                     yield sse(CompletionStreamResponse(id=request_id, created=created, model=model,
                                                        choices=[choice]))
             if req.include_usage:
+                prompt_total = sum(num_prompt_tokens.values())
+                usage = UsageInfo(prompt_tokens=prompt_total, completion_tokens=num_completion_tokens,
+                                  total_tokens=prompt_total + num_completion_tokens)
                 yield sse(CompletionStreamResponse(id=request_id, created=created, model=model, choices=[],
-                                                   usage=usage_of(list(latest.values()))))
+                                                   usage=usage))
         except EngineClosedError as exc:
             yield OpenAIError(str(exc), 503).sse_payload()
         except Exception as exc:  # noqa: BLE001 (the response has started; report in-band)
