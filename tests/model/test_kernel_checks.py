@@ -62,7 +62,8 @@ ATTENTION_CASES = [
     ("block_id_negative", put("block_tables", (0, 1), -1), r"block_tables\[0\]\[1\] = -1 outside"),
     ("table_too_narrow", swap("block_tables", lambda t: t[:, :2].contiguous()),
      r"block_tables is 2 blocks wide but seq_lens\[2\] = 11 needs 3 blocks"),
-    ("table_rows", swap("block_tables", lambda t: t[:2].contiguous()), r"block_tables must have one row per sequence"),
+    ("table_rows", swap("block_tables", lambda t: t[:2].contiguous()),
+     r"block_tables must have a row per sequence \(3\), got 2"),
     ("seq_len_lt_query", put("seq_lens", 0, 2), r"seq_lens\[0\] = 2 is shorter than its query length 3"),
     ("seq_len_negative", put("seq_lens", 1, -1), r"seq_lens\[1\] = -1 is shorter"),
     ("seq_len_past_table", put("seq_lens", 1, 13), r"3 blocks wide but seq_lens\[1\] = 13 needs 4 blocks"),
@@ -100,9 +101,11 @@ def test_paged_attention_rejects(mutate, match: str) -> None:
 
 @pytest.mark.parametrize("max_q_len", [-1, 2])
 def test_paged_attention_well_formed(max_q_len: int) -> None:
-    # Entries past a sequence's used blocks are padding: never read, so never checked.
+    # Entries past a sequence's used blocks and rows past its sequences are padding: never read, so never
+    # checked.
     args, meta = attention_args()
     put("block_tables", (1, 2), 10 ** 9)(args)
+    args["block_tables"] = torch.cat((args["block_tables"], torch.full((2, 3), -1)))  # rows past num_seqs too
     args["max_q_len"] = max_q_len
     ref_cache = args["kv_cache"].clone()
     expected = ReferenceAttentionBackend().forward(args["query"], args["key"], args["value"], ref_cache, meta,

@@ -52,7 +52,7 @@ void check_inputs(const at::Tensor& query, const at::Tensor& key, const at::Tens
   TORCH_CHECK(block_size > 0, kOp, ": kv_cache block_size must be positive, got shape ", kv_cache.sizes());
   TORCH_CHECK(head_dim > 0 && kv_cache.size(4) == head_dim, kOp, ": head size mismatch: query head_dim ", head_dim,
               ", kv_cache head_dim ", kv_cache.size(4));
-  TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0, kOp, ": query heads (", num_heads,
+  TORCH_CHECK(num_kv_heads > 0 && num_heads > 0 && num_heads % num_kv_heads == 0, kOp, ": query heads (", num_heads,
               ") must be a positive multiple of kv_cache kv heads (", num_kv_heads, ")");
   for (const auto* kv : {&key, &value}) {
     const char* name = kv == &key ? "key" : "value";
@@ -70,7 +70,8 @@ void check_inputs(const at::Tensor& query, const at::Tensor& key, const at::Tens
   const int64_t num_seqs = seq_lens.numel();
   TORCH_CHECK(query_start_loc.numel() == num_seqs + 1, kOp, ": query_start_loc must have num_seqs + 1 = ",
               num_seqs + 1, " entries, got ", query_start_loc.numel());
-  TORCH_CHECK(block_tables.size(0) == num_seqs, kOp, ": block_tables must have one row per sequence (", num_seqs,
+  // Extra rows (a persistent table sliced by the caller or not) are never read.
+  TORCH_CHECK(block_tables.size(0) >= num_seqs, kOp, ": block_tables must have a row per sequence (", num_seqs,
               "), got ", block_tables.size(0));
   const int64_t* qsl = query_start_loc.data_ptr<int64_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();

@@ -105,8 +105,9 @@ at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& qs, const at::Tenso
   check_tensor(scales, op, scales_name, at::kFloat, Q4 ? 3 : 2, Layout::kContiguous);
   const int64_t k = x.size(1), n = qs.size(0), nb = k / kBlock;
   TORCH_CHECK(k % kBlock == 0, op, ": x's last dimension (", k, ") must be a multiple of the block size ", kBlock);
-  TORCH_CHECK(qs.size(1) == (Q4 ? k / 2 : k), op, ": qs must be [out_features, ", Q4 ? "in_features / 2" : "in_features",
-              "] = [N, ", Q4 ? k / 2 : k, "] for x ", x.sizes(), ", got ", qs.sizes());
+  TORCH_CHECK(qs.size(1) == (Q4 ? k / 2 : k), op, ": qs must be [out_features, ",
+              Q4 ? "in_features / 2" : "in_features", "] = [N, ", Q4 ? k / 2 : k, "] for x ", x.sizes(), ", got ",
+              qs.sizes());
   TORCH_CHECK(scales.size(0) == n && scales.size(1) == nb && (!Q4 || scales.size(2) == 2), op, ": ", scales_name,
               " must be [", n, ", ", nb, Q4 ? ", 2]" : "]", " (one scale", Q4 ? " pair" : "", " per block of ", kBlock,
               "), got ", scales.sizes());
