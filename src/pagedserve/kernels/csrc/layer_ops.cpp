@@ -12,11 +12,21 @@
 
 #include <cmath>
 
+#include "checks.h"
+
 namespace {
 
-void check_rows(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.dim() == 2 && t.stride(1) == 1, name,
-              " must be a 2-D float32 CPU tensor with contiguous rows");
+using pagedserve::check_tensor;
+using pagedserve::Layout;
+
+void check_rows(const at::Tensor& t, const char* op, const char* name) {
+  check_tensor(t, op, name, at::kFloat, 2, Layout::kRows);
+}
+
+// A norm weight: one float32 per hidden unit.
+void check_norm_weight(const at::Tensor& weight, const char* op, int64_t hidden) {
+  check_tensor(weight, op, "weight", at::kFloat, 1, Layout::kContiguous);
+  TORCH_CHECK(weight.size(0) == hidden, op, ": weight has ", weight.size(0), " entries, the hidden size is ", hidden);
 }
 
 inline void norm_row(const float* __restrict src, const float* __restrict w, float* __restrict dst, int64_t n,
@@ -33,8 +43,8 @@ inline void norm_row(const float* __restrict src, const float* __restrict w, flo
 constexpr int64_t kRowGrain = 16;
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  check_rows(x, "x");
-  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1), "weight must match the hidden size");
+  check_rows(x, "rms_norm", "x");
+  check_norm_weight(weight, "rms_norm", x.size(1));
   at::Tensor out = at::empty({x.size(0), x.size(1)}, x.options());
   const int64_t n = x.size(1), xs = x.stride(0);
   const float* xp = x.data_ptr<float>();
@@ -47,10 +57,12 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 }
 
 void fused_add_rms_norm_(at::Tensor x, at::Tensor residual, const at::Tensor& weight, double eps) {
-  check_rows(x, "x");
-  check_rows(residual, "residual");
-  TORCH_CHECK(x.sizes() == residual.sizes() && weight.is_contiguous() && weight.numel() == x.size(1),
-              "x, residual and weight must agree");
+  constexpr const char* op = "fused_add_rms_norm_";
+  check_rows(x, op, "x");
+  check_rows(residual, op, "residual");
+  TORCH_CHECK(x.sizes() == residual.sizes(), op, ": x ", x.sizes(), " and residual ", residual.sizes(),
+              " must have the same shape");
+  check_norm_weight(weight, op, x.size(1));
   const int64_t n = x.size(1), xs = x.stride(0), rs = residual.stride(0);
   float* xp = x.data_ptr<float>();
   float* rp = residual.data_ptr<float>();
@@ -78,13 +90,19 @@ void rotate(float* __restrict x, const float* __restrict cs, int64_t half) {
 }
 
 void rotary_embedding_(at::Tensor query, at::Tensor key, const at::Tensor& positions, const at::Tensor& cos_sin) {
-  TORCH_CHECK(query.dim() == 3 && key.dim() == 3 && query.stride(2) == 1 && key.stride(2) == 1 &&
-                  query.scalar_type() == at::kFloat && key.scalar_type() == at::kFloat && query.device().is_cpu(),
-              "query/key must be float32 CPU [tokens, heads, head_dim] with contiguous head_dim");
-  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.numel() == query.size(0),
-              "positions must be contiguous int64, one per token");
-  TORCH_CHECK(cos_sin.is_contiguous() && cos_sin.scalar_type() == at::kFloat && cos_sin.size(1) == query.size(2),
-              "cos_sin must be a contiguous float32 [max_position, head_dim] table");
+  constexpr const char* op = "rotary_embedding_";
+  check_tensor(query, op, "query", at::kFloat, 3, Layout::kRows);
+  check_tensor(key, op, "key", at::kFloat, 3, Layout::kRows);
+  check_tensor(positions, op, "positions", at::kLong, 1, Layout::kContiguous);
+  check_tensor(cos_sin, op, "cos_sin", at::kFloat, 2, Layout::kContiguous);
+  TORCH_CHECK(query.size(2) % 2 == 0, op, ": head_dim must be even (rotate half), got ", query.size(2));
+  TORCH_CHECK(key.size(0) == query.size(0) && key.size(2) == query.size(2), op,
+              ": key must be [num_tokens, num_kv_heads, head_dim] with query's tokens and head_dim, got query ",
+              query.sizes(), " and key ", key.sizes());
+  TORCH_CHECK(positions.size(0) == query.size(0), op, ": positions must have one entry per token (", query.size(0),
+              "), got ", positions.size(0));
+  TORCH_CHECK(cos_sin.size(1) == query.size(2), op, ": cos_sin must be [max_position, head_dim = ", query.size(2),
+              "], got ", cos_sin.sizes());
   const int64_t head_dim = query.size(2), half = head_dim / 2, max_pos = cos_sin.size(0);
   const int64_t hq = query.size(1), hk = key.size(1);
   const int64_t* pos = positions.data_ptr<int64_t>();
@@ -92,7 +110,8 @@ void rotary_embedding_(at::Tensor query, at::Tensor key, const at::Tensor& posit
   float* kp = key.data_ptr<float>();
   const float* table = cos_sin.data_ptr<float>();
   for (int64_t t = 0; t < query.size(0); ++t)
-    TORCH_CHECK(pos[t] >= 0 && pos[t] < max_pos, "position ", pos[t], " outside the rotary table");
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < max_pos, op, ": positions[", t, "] = ", pos[t], " outside the rotary table's ",
+                max_pos, " positions");
   at::parallel_for(0, query.size(0), kRowGrain, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
       const float* cs = table + pos[t] * head_dim;
@@ -103,7 +122,9 @@ void rotary_embedding_(at::Tensor query, at::Tensor key, const at::Tensor& posit
 }
 
 at::Tensor silu_and_mul(const at::Tensor& gate_up) {
-  check_rows(gate_up, "gate_up");
+  check_rows(gate_up, "silu_and_mul", "gate_up");
+  TORCH_CHECK(gate_up.size(1) % 2 == 0, "silu_and_mul: gate_up's last dimension must be even (gate | up), got ",
+              gate_up.size(1));
   const int64_t n = gate_up.size(1) / 2, gs = gate_up.stride(0);
   at::Tensor out = at::empty({gate_up.size(0), n}, gate_up.options());
   const float* gp = gate_up.data_ptr<float>();

@@ -21,19 +21,79 @@
 #include <vector>
 
 #include "attention_tile.h"
+#include "checks.h"
 
 namespace {
 
 constexpr int64_t kTileQ = 16;
 
-void check_f32(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, name, " must be a float32 CPU tensor");
-  TORCH_CHECK(t.stride(-1) == 1, name, " must be contiguous in its last dimension");
-}
+constexpr const char* kOp = "paged_attention";
 
-void check_i64(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kLong && t.is_contiguous(), name,
-              " must be a contiguous int64 CPU tensor");
+// Shapes, dtypes and layouts; then query_start_loc, seq_lens and the used block-table entries, so that
+// every offset the kernel computes below stays inside its tensor. O(num_seqs + blocks used + tokens).
+void check_inputs(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, const at::Tensor& kv_cache,
+                  const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                  const at::Tensor& query_start_loc) {
+  using pagedserve::check_tensor;
+  using pagedserve::Layout;
+  check_tensor(query, kOp, "query", at::kFloat, 3, Layout::kRows);
+  check_tensor(key, kOp, "key", at::kFloat, 3, Layout::kRows);
+  check_tensor(value, kOp, "value", at::kFloat, 3, Layout::kRows);
+  check_tensor(kv_cache, kOp, "kv_cache", at::kFloat, 5, Layout::kContiguous);
+  check_tensor(slot_mapping, kOp, "slot_mapping", at::kLong, 1, Layout::kContiguous);
+  check_tensor(block_tables, kOp, "block_tables", at::kLong, 2, Layout::kContiguous);
+  check_tensor(seq_lens, kOp, "seq_lens", at::kLong, 1, Layout::kContiguous);
+  check_tensor(query_start_loc, kOp, "query_start_loc", at::kLong, 1, Layout::kContiguous);
+
+  const int64_t num_tokens = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
+  TORCH_CHECK(kv_cache.size(0) == 2, kOp, ": kv_cache must be [2, num_blocks, block_size, num_kv_heads, head_dim], "
+              "got shape ", kv_cache.sizes());
+  const int64_t num_blocks = kv_cache.size(1), block_size = kv_cache.size(2), num_kv_heads = kv_cache.size(3);
+  TORCH_CHECK(block_size > 0, kOp, ": kv_cache block_size must be positive, got shape ", kv_cache.sizes());
+  TORCH_CHECK(head_dim > 0 && kv_cache.size(4) == head_dim, kOp, ": head size mismatch: query head_dim ", head_dim,
+              ", kv_cache head_dim ", kv_cache.size(4));
+  TORCH_CHECK(num_kv_heads > 0 && num_heads > 0 && num_heads % num_kv_heads == 0, kOp, ": query heads (", num_heads,
+              ") must be a positive multiple of kv_cache kv heads (", num_kv_heads, ")");
+  for (const auto* kv : {&key, &value}) {
+    const char* name = kv == &key ? "key" : "value";
+    TORCH_CHECK(kv->size(0) == num_tokens && kv->size(1) == num_kv_heads && kv->size(2) == head_dim, kOp, ": ", name,
+                " must be [num_tokens, num_kv_heads, head_dim] = [", num_tokens, ", ", num_kv_heads, ", ", head_dim,
+                "], got ", kv->sizes());
+  }
+  TORCH_CHECK(slot_mapping.numel() == num_tokens, kOp, ": slot_mapping must have one slot per query token (",
+              num_tokens, "), got ", slot_mapping.numel());
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < num_tokens; ++t)
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < num_blocks * block_size, kOp, ": slot_mapping[", t, "] = ", slots[t],
+                " outside the kv_cache's ", num_blocks * block_size, " slots");
+
+  const int64_t num_seqs = seq_lens.numel();
+  TORCH_CHECK(query_start_loc.numel() == num_seqs + 1, kOp, ": query_start_loc must have num_seqs + 1 = ",
+              num_seqs + 1, " entries, got ", query_start_loc.numel());
+  // Extra rows (a persistent table sliced by the caller or not) are never read.
+  TORCH_CHECK(block_tables.size(0) >= num_seqs, kOp, ": block_tables must have a row per sequence (", num_seqs,
+              "), got ", block_tables.size(0));
+  const int64_t* qsl = query_start_loc.data_ptr<int64_t>();
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t width = block_tables.size(1);
+  TORCH_CHECK(qsl[0] == 0, kOp, ": query_start_loc[0] must be 0, got ", qsl[0]);
+  TORCH_CHECK(qsl[num_seqs] == num_tokens, kOp, ": query_start_loc[-1] = ", qsl[num_seqs],
+              " must equal the number of query tokens (", num_tokens, ")");
+  for (int64_t i = 0; i < num_seqs; ++i) {
+    TORCH_CHECK(qsl[i + 1] >= qsl[i], kOp, ": query_start_loc must be non-decreasing, got ", qsl[i], " then ",
+                qsl[i + 1], " at sequence ", i);
+    const int64_t q_len = qsl[i + 1] - qsl[i];  // in [0, num_tokens]: qsl starts at 0, ends at num_tokens
+    TORCH_CHECK(lens[i] >= q_len, kOp, ": seq_lens[", i, "] = ", lens[i], " is shorter than its query length ",
+                q_len);
+    const int64_t used = lens[i] == 0 ? 0 : (lens[i] - 1) / block_size + 1;  // no overflow for huge lens
+    TORCH_CHECK(used <= width, kOp, ": block_tables is ", width, " blocks wide but seq_lens[", i, "] = ", lens[i],
+                " needs ", used, " blocks of ", block_size);
+    const int64_t* row = tables + i * width;
+    for (int64_t b = 0; b < used; ++b)
+      TORCH_CHECK(row[b] >= 0 && row[b] < num_blocks, kOp, ": block_tables[", i, "][", b, "] = ", row[b],
+                  " outside the kv_cache's ", num_blocks, " blocks");
+  }
 }
 
 // Writes this step's K/V at slot_mapping, then attends every sequence whose query length is at most
@@ -42,22 +102,10 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key, const
                            at::Tensor kv_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                            const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
                            int64_t max_q_len) {
-  check_f32(query, "query");
-  check_f32(key, "key");
-  check_f32(value, "value");
-  TORCH_CHECK(kv_cache.is_contiguous() && kv_cache.dim() == 5 && kv_cache.size(0) == 2 &&
-                  kv_cache.scalar_type() == at::kFloat && kv_cache.device().is_cpu(),
-              "kv_cache must be a contiguous float32 [2, num_blocks, block_size, num_kv_heads, head_dim] tensor");
-  check_i64(slot_mapping, "slot_mapping");
-  check_i64(block_tables, "block_tables");
-  check_i64(seq_lens, "seq_lens");
-  check_i64(query_start_loc, "query_start_loc");
+  // Everything is checked before the first write: a rejected call leaves kv_cache untouched.
+  check_inputs(query, key, value, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc);
   const int64_t num_tokens = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
-  const int64_t num_blocks = kv_cache.size(1), block_size = kv_cache.size(2), num_kv_heads = kv_cache.size(3);
-  TORCH_CHECK(kv_cache.size(4) == head_dim && key.size(1) == num_kv_heads && num_heads % num_kv_heads == 0,
-              "head shapes disagree");
-  TORCH_CHECK(slot_mapping.numel() == num_tokens && key.size(0) == num_tokens && value.size(0) == num_tokens,
-              "one slot per token");
+  const int64_t block_size = kv_cache.size(2), num_kv_heads = kv_cache.size(3);
   const int64_t group = num_heads / num_kv_heads;
   float* k_cache = kv_cache.data_ptr<float>();
   float* v_cache = k_cache + kv_cache.stride(0);
@@ -68,7 +116,6 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key, const
   const float* vp = value.data_ptr<float>();
   const int64_t row = num_kv_heads * head_dim;
   for (int64_t t = 0; t < num_tokens; ++t) {
-    TORCH_CHECK(slots[t] >= 0 && slots[t] < num_blocks * block_size, "slot out of range");
     for (int64_t h = 0; h < num_kv_heads; ++h) {
       std::copy_n(kp + t * key.stride(0) + h * key.stride(1), head_dim, k_cache + slots[t] * row + h * head_dim);
       std::copy_n(vp + t * value.stride(0) + h * value.stride(1), head_dim, v_cache + slots[t] * row + h * head_dim);
@@ -84,9 +131,7 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key, const
   std::vector<int64_t> items;  // seq, first query index in seq, n_q
   for (int64_t i = 0; i < num_seqs; ++i) {
     const int64_t q_len = qsl[i + 1] - qsl[i];
-    if (q_len <= 0 || (max_q_len >= 0 && q_len > max_q_len)) continue;
-    TORCH_CHECK(lens[i] >= q_len && (lens[i] + block_size - 1) / block_size <= table_width,
-                "seq_lens / block_tables disagree");
+    if (q_len == 0 || (max_q_len >= 0 && q_len > max_q_len)) continue;
     for (int64_t j = 0; j < q_len; j += kTileQ) {
       items.push_back(i);
       items.push_back(j);

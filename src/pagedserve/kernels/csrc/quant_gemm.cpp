@@ -16,6 +16,8 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "checks.h"
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -94,16 +96,25 @@ void rows_out(const Args& a, int64_t m0, int64_t n0, int64_t n1) {
 template <bool Q4>
 at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scales,
                       const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1 && x.device().is_cpu(),
-              "x must be a 2-D float32 CPU tensor with contiguous rows");
-  const int64_t k = x.size(1), n = qs.size(0);
-  TORCH_CHECK(k % kBlock == 0 && qs.is_contiguous() && scales.is_contiguous() &&
-                  scales.scalar_type() == at::kFloat && qs.size(1) == (Q4 ? k / 2 : k) &&
-                  scales.numel() == n * (k / kBlock) * (Q4 ? 2 : 1),
-              "quantized weight does not match x");
+  using pagedserve::check_tensor;
+  using pagedserve::Layout;
+  constexpr const char* op = Q4 ? "gemm_q4_1" : "gemm_q8_0";
+  constexpr const char* scales_name = Q4 ? "dm" : "d";
+  check_tensor(x, op, "x", at::kFloat, 2, Layout::kRows);
+  check_tensor(qs, op, "qs", Q4 ? at::kByte : at::kChar, 2, Layout::kContiguous);
+  check_tensor(scales, op, scales_name, at::kFloat, Q4 ? 3 : 2, Layout::kContiguous);
+  const int64_t k = x.size(1), n = qs.size(0), nb = k / kBlock;
+  TORCH_CHECK(k % kBlock == 0, op, ": x's last dimension (", k, ") must be a multiple of the block size ", kBlock);
+  TORCH_CHECK(qs.size(1) == (Q4 ? k / 2 : k), op, ": qs must be [out_features, ",
+              Q4 ? "in_features / 2" : "in_features", "] = [N, ", Q4 ? k / 2 : k, "] for x ", x.sizes(), ", got ",
+              qs.sizes());
+  TORCH_CHECK(scales.size(0) == n && scales.size(1) == nb && (!Q4 || scales.size(2) == 2), op, ": ", scales_name,
+              " must be [", n, ", ", nb, Q4 ? ", 2]" : "]", " (one scale", Q4 ? " pair" : "", " per block of ", kBlock,
+              "), got ", scales.sizes());
   const float* bp = nullptr;
   if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->is_contiguous() && bias->numel() == n && bias->scalar_type() == at::kFloat, "bad bias");
+    check_tensor(*bias, op, "bias", at::kFloat, 1, Layout::kContiguous);
+    TORCH_CHECK(bias->size(0) == n, op, ": bias has ", bias->size(0), " entries, the weight has ", n, " rows");
     bp = bias->data_ptr<float>();
   }
   at::Tensor y = at::empty({x.size(0), n}, x.options());

@@ -12,6 +12,8 @@
 #include <cstdint>
 #include <tuple>
 
+#include "checks.h"
+
 namespace {
 
 constexpr int64_t kBlock = 32;
@@ -34,8 +36,8 @@ inline bool solve(float w, float d, float m, int& q) {
 }
 
 std::tuple<at::Tensor, at::Tensor> find_blocks(const at::Tensor& w, bool q4) {
-  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.scalar_type() == at::kFloat && w.device().is_cpu(),
-              "weight must be a contiguous 2-D float32 CPU tensor");
+  pagedserve::check_tensor(w, q4 ? "find_q4_1" : "find_q8_0", "weight", at::kFloat, 2,
+                           pagedserve::Layout::kContiguous);
   const int64_t n = w.size(0), k = w.size(1);
   auto fail = [&] {
     return std::make_tuple(at::empty({0}, w.options().dtype(at::kByte)), at::empty({0}, w.options()));
