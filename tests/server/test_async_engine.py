@@ -1,4 +1,4 @@
-"""AsyncLLMEngine against a model-free fake engine: threading, aborts and failures, in milliseconds."""
+"""AsyncLLMEngine against a model-free fake core: threading, aborts, failures and memory, in milliseconds."""
 from __future__ import annotations
 
 import asyncio
@@ -8,26 +8,48 @@ from types import SimpleNamespace
 
 import pytest
 
+from pagedserve.config import ModelConfig
 from pagedserve.core.scheduler_output import SchedulerStats
 from pagedserve.engine.async_engine import AsyncLLMEngine, EngineClosedError, EngineError
+from pagedserve.engine.core import EngineCoreOutput, EngineCoreRequest
 from pagedserve.metrics.stats import EngineStats
-from pagedserve.outputs import CompletionOutput, RequestOutput
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.sampling_params import RequestOutputKind, SamplingParams
 
 
-class FakeEngine:
-    """One token per step per request; records which threads touch it."""
+PROMPT = "t1 t2"
+TOO_LONG = " ".join(["t3"] * 20_001)  # more tokens than max_model_len
+VOCAB = [f"t{i}" for i in range(100)] + ["[UNK]"]
+
+
+def word_tokenizer():
+    # A real (fast) tokenizer, built offline: one word per token, "t0".."t99".
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(VOCAB)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")
+
+
+class FakeCore:
+    """An EngineCore without a model: one token per step per request (token i at step i); records threads."""
 
     def __init__(self, step_s: float = 0.002) -> None:
-        self.model_name, self.max_model_len, self.num_kv_blocks = "fake", 128, 8
-        self.config = SimpleNamespace(cache=SimpleNamespace(block_size=16))
+        self.model_name, self.max_model_len, self.num_kv_blocks = "fake", 20_000, 8
+        self.config = SimpleNamespace(cache=SimpleNamespace(block_size=16), model=ModelConfig())
+        self.loaded = SimpleNamespace(tokenizer=word_tokenizer(), hf_config=SimpleNamespace(vocab_size=len(VOCAB)),
+                                      eos_token_ids=[], chat_template=None)
         self.stats = EngineStats()
-        self.requests: dict[str, tuple[SamplingParams, list[int]]] = {}
+        self.requests: dict[str, tuple[EngineCoreRequest, list[int]]] = {}
         self.aborted: list[str] = []
         self.threads: set[int] = set()
         self.fail_next_step = False
+        self.poisoned: set[str] = set()  # requests whose next step output is a per-request error
+        self.block = threading.Event()
+        self.block.set()
         self.step_s = step_s
-        self.scheduler = SimpleNamespace(stats=self._sched_stats)
+        self.scheduler = SimpleNamespace(stats=self._sched_stats, requests=self.requests)
 
     def _touch(self) -> None:
         self.threads.add(threading.get_ident())
@@ -38,17 +60,16 @@ class FakeEngine:
         return SchedulerStats(used, 0, used / self.num_kv_blocks, 0, 0, 0, self.num_kv_blocks - used,
                               self.num_kv_blocks)
 
-    def add_request(self, request_id, prompt, params) -> None:
+    def add_requests(self, reqs) -> None:
         self._touch()
-        if prompt == "too long":
-            raise ValueError("the prompt is too long")
-        if request_id in self.requests:
+        if any(r.req_id in self.requests for r in reqs):
             raise ValueError("duplicate id")
-        self.requests[request_id] = (params, [])
+        for r in reqs:
+            self.requests[r.req_id] = (r, [])
 
-    def abort_request(self, ids) -> None:
+    def finish_requests(self, ids, status=None) -> None:
         self._touch()
-        for rid in [ids] if isinstance(ids, str) else ids:
+        for rid in ids:
             if self.requests.pop(rid, None) is not None:
                 self.aborted.append(rid)
 
@@ -56,19 +77,22 @@ class FakeEngine:
         self._touch()
         return bool(self.requests)
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[EngineCoreOutput]:
         self._touch()
+        self.block.wait()
         time.sleep(self.step_s)
         if self.fail_next_step:
             self.fail_next_step = False
             raise RuntimeError("boom")
         outs = []
-        for rid, (params, tokens) in list(self.requests.items()):
+        for rid, (req, tokens) in list(self.requests.items()):
+            if rid in self.poisoned:
+                del self.requests[rid]
+                outs.append(EngineCoreOutput(rid, [], "error", error="RuntimeError: poisoned row"))
+                continue
             tokens.append(len(tokens))
-            done = len(tokens) >= params.max_tokens
-            text = "".join(f"t{t} " for t in tokens)
-            comp = CompletionOutput(0, text, list(tokens), None, None, "length" if done else None)
-            outs.append(RequestOutput(rid, None, [1], [comp], done))
+            done = len(tokens) >= req.max_tokens
+            outs.append(EngineCoreOutput(rid, [tokens[-1]], "length" if done else None))
             if done:
                 del self.requests[rid]
         return outs
@@ -76,7 +100,7 @@ class FakeEngine:
 
 @pytest.fixture
 def fake():
-    engine = FakeEngine()
+    engine = FakeCore()
     async_engine = AsyncLLMEngine(engine)
     yield engine, async_engine
     async_engine.shutdown()
@@ -87,7 +111,7 @@ def test_generate_streams_cumulative_outputs_on_the_engine_thread(fake):
 
     async def main():
         async def one(i):
-            outs = [o async for o in async_engine.generate("p", SamplingParams(max_tokens=5 + i), f"r{i}")]
+            outs = [o async for o in async_engine.generate(PROMPT, SamplingParams(max_tokens=5 + i), f"r{i}")]
             return outs
         return await asyncio.gather(*(one(i) for i in range(10)))
 
@@ -105,17 +129,18 @@ def test_add_error_reaches_the_caller_as_value_error(fake):
     engine, async_engine = fake
 
     async def main():
-        with pytest.raises(ValueError, match="too long"):
-            async for _ in async_engine.generate("too long", SamplingParams(), "bad"):
+        with pytest.raises(ValueError, match="max_model_len"):
+            async for _ in async_engine.generate(TOO_LONG, SamplingParams(), "bad"):
                 pass
         # All-or-nothing: the first prompt of a failing batch is rolled back.
         with pytest.raises(ValueError):
-            await async_engine.add_requests([("ok", "p", SamplingParams()), ("bad2", "too long", SamplingParams())])
-        return [o async for o in async_engine.generate("p", SamplingParams(max_tokens=3), "good")]
+            await async_engine.add_requests([("ok", PROMPT, SamplingParams()), ("bad2", TOO_LONG, SamplingParams())])
+        return [o async for o in async_engine.generate(PROMPT, SamplingParams(max_tokens=3), "good")]
 
     outs = asyncio.run(main())
     assert outs[-1].finished
-    assert not engine.requests and "ok" in engine.aborted
+    # Validation runs before anything reaches the core: the batch's valid first prompt never got there.
+    assert not engine.requests and "ok" not in engine.aborted and not async_engine._streams
 
 
 def test_step_failure_fails_requests_and_the_loop_keeps_serving(fake):
@@ -123,12 +148,12 @@ def test_step_failure_fails_requests_and_the_loop_keeps_serving(fake):
 
     async def main():
         async def long(i):
-            return [o async for o in async_engine.generate("p", SamplingParams(max_tokens=10_000), f"long{i}")]
+            return [o async for o in async_engine.generate(PROMPT, SamplingParams(max_tokens=10_000), f"long{i}")]
         tasks = [asyncio.create_task(long(i)) for i in range(3)]
         await asyncio.sleep(0.05)
         engine.fail_next_step = True
         results = await asyncio.gather(*tasks, return_exceptions=True)
-        after = [o async for o in async_engine.generate("p", SamplingParams(max_tokens=4), "after")]
+        after = [o async for o in async_engine.generate(PROMPT, SamplingParams(max_tokens=4), "after")]
         return results, after
 
     results, after = asyncio.run(asyncio.wait_for(main(), 10))
@@ -141,12 +166,12 @@ def test_leaving_early_or_cancelling_aborts(fake):
     engine, async_engine = fake
 
     async def main():
-        async for out in async_engine.generate("p", SamplingParams(max_tokens=10_000), "left"):
+        async for out in async_engine.generate(PROMPT, SamplingParams(max_tokens=10_000), "left"):
             if len(out.outputs[0].token_ids) >= 3:
                 break
 
         async def consume():
-            async for _ in async_engine.generate("p", SamplingParams(max_tokens=10_000), "cancelled"):
+            async for _ in async_engine.generate(PROMPT, SamplingParams(max_tokens=10_000), "cancelled"):
                 pass
         task = asyncio.create_task(consume())
         await asyncio.sleep(0.05)
@@ -165,19 +190,19 @@ def test_leaving_early_or_cancelling_aborts(fake):
 
 
 def test_shutdown_fails_in_flight_and_refuses_new_work():
-    engine = FakeEngine()
+    engine = FakeCore()
     async_engine = AsyncLLMEngine(engine)
 
     async def main():
         async def long():
-            return [o async for o in async_engine.generate("p", SamplingParams(max_tokens=10_000), "x")]
+            return [o async for o in async_engine.generate(PROMPT, SamplingParams(max_tokens=10_000), "x")]
         task = asyncio.create_task(long())
         await asyncio.sleep(0.05)
         await asyncio.get_running_loop().run_in_executor(None, async_engine.shutdown)
         with pytest.raises(EngineClosedError):
             await task
         with pytest.raises(EngineClosedError):
-            await async_engine.add_request("y", "p", SamplingParams())
+            await async_engine.add_request("y", PROMPT, SamplingParams())
 
     asyncio.run(main())
     assert not async_engine.is_running and not engine.requests
@@ -190,17 +215,17 @@ def test_from_factory_builds_and_steps_on_one_thread():
 
     def factory():
         built_on.append(threading.get_ident())
-        return FakeEngine()
+        return FakeCore()
 
     async_engine = AsyncLLMEngine.from_factory(factory)
     try:
         assert async_engine.model_name == "fake" and async_engine.block_size == 16
 
         async def main():
-            return [o async for o in async_engine.generate("p", SamplingParams(max_tokens=3), "r")]
+            return [o async for o in async_engine.generate(PROMPT, SamplingParams(max_tokens=3), "r")]
 
         assert asyncio.run(main())[-1].finished
-        assert built_on == [async_engine._thread.ident] and async_engine.engine.threads == set(built_on)
+        assert built_on == [async_engine._thread.ident] and async_engine.core.threads == set(built_on)
     finally:
         async_engine.shutdown()
 
@@ -211,3 +236,71 @@ def test_from_factory_raises_the_construction_error():
 
     with pytest.raises(ValueError, match="does not exist"):
         AsyncLLMEngine.from_factory(factory)
+
+
+def test_core_never_sees_text_and_prompts_are_tokenized_off_the_engine_thread(fake):
+    engine, async_engine = fake
+
+    async def main():
+        return [o async for o in async_engine.generate("t5 t6 t7", SamplingParams(max_tokens=3), "r")]
+
+    outs = asyncio.run(main())
+    assert outs[-1].prompt_token_ids == [5, 6, 7] and outs[-1].outputs[0].text.split() == ["t0", "t1", "t2"]
+    assert engine.threads == {async_engine._thread.ident}
+
+
+def test_a_request_failing_inside_a_step_fails_alone(fake):
+    engine, async_engine = fake
+
+    async def main():
+        async def run(rid):
+            return [o async for o in async_engine.generate(PROMPT, SamplingParams(max_tokens=20), rid)]
+        tasks = [asyncio.create_task(run(f"r{i}")) for i in range(4)]
+        await asyncio.sleep(0.01)
+        engine.poisoned.add("r2")
+        return await asyncio.gather(*tasks, return_exceptions=True)
+
+    results = asyncio.run(asyncio.wait_for(main(), 10))
+    assert isinstance(results[2], EngineError) and "poisoned row" in str(results[2])
+    for i in (0, 1, 3):
+        assert results[i][-1].finished and results[i][-1].outputs[0].token_ids == list(range(20))
+
+
+def test_delta_outputs_of_a_stalled_reader_merge_into_one(fake):
+    # A client that stops reading holds one pending output, whose text and tokens are the concatenation.
+    engine, async_engine = fake
+    params = SamplingParams(max_tokens=50, output_kind=RequestOutputKind.DELTA)
+
+    async def main():
+        stream = await async_engine.add_request("r", PROMPT, params)
+        reader = stream.__aiter__()
+        first = await reader.__anext__()  # one output read, then the reader stalls
+        while stream.unfinished and not any(o.finished for o in stream.pending.values()):
+            await asyncio.sleep(0.01)
+        assert len(stream.pending) == 1
+        rest = [o async for o in reader]
+        return first, rest
+
+    first, rest = asyncio.run(asyncio.wait_for(main(), 10))
+    assert len(rest) == 1 and rest[0].finished
+    tokens = first.outputs[0].token_ids + rest[0].outputs[0].token_ids
+    assert tokens == list(range(50))
+    assert (first.outputs[0].text + rest[0].outputs[0].text).split() == [f"t{i}" for i in range(50)]
+
+
+def test_health_follows_the_step_heartbeat(fake):
+    engine, async_engine = fake
+
+    async def main():
+        engine.block.clear()  # the next step hangs
+        task = asyncio.create_task(async_engine.add_request("r", PROMPT, SamplingParams(max_tokens=3)))
+        stream = await task
+        await asyncio.sleep(0.3)
+        stuck = async_engine.is_healthy(max_stall_s=0.1)
+        engine.block.set()
+        outs = [o async for o in stream]
+        return stuck, outs
+
+    stuck, outs = asyncio.run(asyncio.wait_for(main(), 10))
+    assert not stuck and outs[-1].finished
+    assert async_engine.is_healthy(max_stall_s=0.1)

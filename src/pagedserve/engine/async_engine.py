@@ -265,6 +265,10 @@ class AsyncLLMEngine:
             with self._lock:
                 self._closed = True
             self._run_commands()
+            try:
+                self.core.finish_requests(list(self.core.scheduler.requests))  # frees their blocks
+            except Exception:  # noqa: BLE001
+                logger.exception("freeing the requests in flight failed")
             self._to_loop(self._fail_streams, "the engine stopped", True)
             try:
                 self._take_snapshot()

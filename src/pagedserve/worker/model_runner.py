@@ -64,6 +64,8 @@ class ModelRunner:
         for req_id in plan.finished_req_ids:
             self.generators.pop(req_id, None)
         apply_block_ops(plan.block_ops, self.kv_caches, self.host_caches)
+        if plan.is_empty:
+            return ModelRunnerOutput([], [])
         input_ids, positions, meta = self.build_metadata(plan)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
 
