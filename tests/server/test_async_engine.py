@@ -3,75 +3,12 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
-from types import SimpleNamespace
 
 import pytest
 
-from pagedserve.core.scheduler_output import SchedulerStats
 from pagedserve.engine.async_engine import AsyncLLMEngine, EngineClosedError, EngineError
-from pagedserve.metrics.stats import EngineStats
-from pagedserve.outputs import CompletionOutput, RequestOutput
 from pagedserve.sampling_params import SamplingParams
-
-
-class FakeEngine:
-    """One token per step per request; records which threads touch it."""
-
-    def __init__(self, step_s: float = 0.002) -> None:
-        self.model_name, self.max_model_len, self.num_kv_blocks = "fake", 128, 8
-        self.config = SimpleNamespace(cache=SimpleNamespace(block_size=16))
-        self.stats = EngineStats()
-        self.requests: dict[str, tuple[SamplingParams, list[int]]] = {}
-        self.aborted: list[str] = []
-        self.threads: set[int] = set()
-        self.fail_next_step = False
-        self.step_s = step_s
-        self.scheduler = SimpleNamespace(stats=self._sched_stats)
-
-    def _touch(self) -> None:
-        self.threads.add(threading.get_ident())
-
-    def _sched_stats(self) -> SchedulerStats:
-        self._touch()
-        used = len(self.requests)
-        return SchedulerStats(used, 0, used / self.num_kv_blocks, 0, 0, 0, self.num_kv_blocks - used,
-                              self.num_kv_blocks)
-
-    def add_request(self, request_id, prompt, params) -> None:
-        self._touch()
-        if prompt == "too long":
-            raise ValueError("the prompt is too long")
-        if request_id in self.requests:
-            raise ValueError("duplicate id")
-        self.requests[request_id] = (params, [])
-
-    def abort_request(self, ids) -> None:
-        self._touch()
-        for rid in [ids] if isinstance(ids, str) else ids:
-            if self.requests.pop(rid, None) is not None:
-                self.aborted.append(rid)
-
-    def has_unfinished_requests(self) -> bool:
-        self._touch()
-        return bool(self.requests)
-
-    def step(self) -> list[RequestOutput]:
-        self._touch()
-        time.sleep(self.step_s)
-        if self.fail_next_step:
-            self.fail_next_step = False
-            raise RuntimeError("boom")
-        outs = []
-        for rid, (params, tokens) in list(self.requests.items()):
-            tokens.append(len(tokens))
-            done = len(tokens) >= params.max_tokens
-            text = "".join(f"t{t} " for t in tokens)
-            comp = CompletionOutput(0, text, list(tokens), None, None, "length" if done else None)
-            outs.append(RequestOutput(rid, None, [1], [comp], done))
-            if done:
-                del self.requests[rid]
-        return outs
+from tests.server.fake_engine import FakeEngine
 
 
 @pytest.fixture
@@ -211,3 +148,47 @@ def test_from_factory_raises_the_construction_error():
 
     with pytest.raises(ValueError, match="does not exist"):
         AsyncLLMEngine.from_factory(factory)
+
+
+def test_heartbeat_reports_a_stuck_step():
+    engine = FakeEngine()
+    engine.step_gate = threading.Event()
+    async_engine = AsyncLLMEngine(engine)
+    try:
+        assert async_engine.is_healthy(0.05)  # idle is healthy
+
+        async def main():
+            stream = await async_engine.add_request("r", "p", SamplingParams(max_tokens=2))
+            await asyncio.sleep(0.2)  # the first step now waits on the gate
+            stuck = async_engine.is_healthy(0.05), async_engine.is_healthy(60.0)
+            engine.step_gate.set()
+            outs = [o async for o in stream]
+            return stuck, outs
+
+        (stuck_short, stuck_long), outs = asyncio.run(asyncio.wait_for(main(), 10))
+        assert (stuck_short, stuck_long) == (False, True)
+        assert outs[-1].finished and async_engine.is_healthy(0.05)
+    finally:
+        engine.step_gate.set()
+        async_engine.shutdown()
+    assert not async_engine.is_healthy(60.0)  # a stopped engine is never healthy
+
+
+def test_snapshot_counts_a_request_before_its_final_output_arrives():
+    # /metrics reads the snapshot; a client that has its final output must find it counted. A slow stats read
+    # widens the window in which dispatching first would show the old snapshot.
+    engine = FakeEngine()
+    engine.stats_delay_s = 0.05
+    async_engine = AsyncLLMEngine(engine)
+    try:
+        async def main():
+            seen = []
+            for i in range(3):
+                async for out in async_engine.generate("p", SamplingParams(max_tokens=2), f"r{i}"):
+                    if out.finished:
+                        seen.append(async_engine.snapshot.finished_by_reason.get("length", 0))
+            return seen
+
+        assert asyncio.run(asyncio.wait_for(main(), 10)) == [1, 2, 3]
+    finally:
+        async_engine.shutdown()

@@ -16,6 +16,7 @@ import concurrent.futures
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Sequence, TypeVar
 
@@ -125,6 +126,8 @@ class AsyncLLMEngine:
         self._lock = threading.Lock()  # orders _closed against command submission
         self._closed = False
         self._streams: dict[str, OutputStream] = {}  # engine thread only
+        # Heartbeat: when the engine thread entered its current step or command batch; None while idle.
+        self._busy_since: float | None = None
         self.snapshot: EngineSnapshot = EngineSnapshot(None, 0, 0, {}, 0)
         self._thread = threading.Thread(target=self._run, name="pagedserve-engine", daemon=True)
         if start:
@@ -167,6 +170,11 @@ class AsyncLLMEngine:
     @property
     def is_running(self) -> bool:
         return self._thread.is_alive() and not self._closed
+
+    def is_healthy(self, max_stall_s: float) -> bool:
+        # False once the engine thread is gone, or stuck in one step or command batch for over max_stall_s.
+        busy_since = self._busy_since
+        return self.is_running and (busy_since is None or time.monotonic() - busy_since <= max_stall_s)
 
     def shutdown(self, timeout: float | None = 10.0) -> None:
         with self._lock:
@@ -280,7 +288,9 @@ class AsyncLLMEngine:
             # Clear before draining: a command queued after the drain sets the event again, so the waits
             # below cannot sleep through it.
             self._wakeup.clear()
+            self._busy_since = time.monotonic()
             self._run_commands()
+            self._busy_since = None
             if self._closed:
                 return
             if not engine.has_unfinished_requests():
@@ -288,13 +298,17 @@ class AsyncLLMEngine:
                 self._wakeup.wait()
                 continue
             try:
+                self._busy_since = time.monotonic()
                 outputs = engine.step()
-                self._dispatch(outputs)
+                # Snapshot first: a client that has its final output and then scrapes /metrics finds it counted.
                 self._take_snapshot()
+                self._dispatch(outputs)
             except Exception as exc:  # noqa: BLE001 (fail the requests, keep serving)
                 logger.exception("engine step failed; failing %d in-flight requests", len(self._streams))
                 self._fail_all(f"engine step failed: {type(exc).__name__}: {exc}")
                 continue
+            finally:
+                self._busy_since = None
             if not outputs:
                 # A prefill chunk yields nothing; this short wait only guards against a spinning empty plan.
                 self._wakeup.wait(0.0005)

@@ -182,9 +182,6 @@ class LLMEngine:
                 req.stop_reason = stop
             group = self.groups[seq.group_id]
             touched[group.request_id] = group
-        for s in plan.scheduled:
-            if s.request.scheduled_time is None:
-                s.request.scheduled_time = now
         self.stats.record_step(plan, self.scheduler.stats(), time.perf_counter() - t0)
         outputs = []
         for group in touched.values():
@@ -237,7 +234,7 @@ class LLMEngine:
         self.groups.pop(group.request_id, None)
         for seq in group.seqs:
             self.seqs.pop(seq.request.req_id, None)
-            self.stats.record_finished(seq.request)
+        self.stats.record_finished([seq.request for seq in group.seqs])
 
 
 def _best_of(completions: list[CompletionOutput], group: _Group) -> list[CompletionOutput]:
