@@ -208,7 +208,6 @@ def run_server(engine: AsyncLLMEngine, args: Any) -> int:
             # every stream properly; the connections then close by themselves. A third signal forces.
             if self.should_exit and not self.forced and self.loop is not None:
                 self.forced = True
-                self._captured_signals.append(sig)
                 # Runs inside a signal handler: the engine's lock may be held by this very thread, so the
                 # shutdown itself is left to the event loop.
                 self.loop.call_soon_threadsafe(engine.shutdown, 0.0)
