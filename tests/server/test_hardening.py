@@ -34,7 +34,7 @@ def call(async_engine: AsyncLLMEngine, requests, **args) -> list[httpx.Response]
     app = build_app(async_engine, SimpleNamespace(**args))
 
     async def main():
-        # raise_app_exceptions=False: Starlette re-raises an unhandled error after answering; a real server logs it.
+        # raise_app_exceptions=False: Starlette re-raises an unhandled error after answering (a server logs it).
         transport = httpx.ASGITransport(app, raise_app_exceptions=False)
         async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=10) as client:
             return [await client.request(method, path, **kw) for method, path, kw in requests]

@@ -31,7 +31,7 @@ def _check_text(value: Any) -> Any:
             try:
                 item.encode("utf-8")
             except UnicodeEncodeError as e:
-                raise ValueError(f"text must be valid Unicode; found a lone surrogate at position {e.start}") from e
+                raise ValueError(f"text must be valid Unicode; a lone surrogate is at position {e.start}") from e
     return value
 
 
