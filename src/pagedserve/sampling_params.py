@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import math
 from dataclasses import dataclass
 
 # Below this temperature a request is greedy: dividing logits by ~0 would overflow, and the limit of
@@ -12,6 +11,13 @@ SAMPLING_EPS = 1e-5
 # Positive temperatures below this are raised to it (as vLLM does): logits / 1e-4 already make the softmax
 # a one-hot in fp32, and anything smaller only invites overflow.
 MIN_RANDOM_TEMPERATURE = 1e-2
+# What torch.Generator.manual_seed accepts; sample i of a seeded request uses seed + i, so all must fit.
+MIN_SEED, MAX_SEED = -(1 << 63), (1 << 64) - 1
+
+_INT_FIELDS = ("n", "best_of", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs")
+# The sampler works in fp32: a larger float becomes inf there and turns masked logits into NaN.
+_FLOAT32_MAX = 3.4028234663852886e38
+_FLOAT_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p", "min_p")
 
 
 class RequestOutputKind(enum.Enum):
@@ -59,16 +65,16 @@ class SamplingParams:
             self.stop = []
         elif isinstance(self.stop, str):
             self.stop = [self.stop]
-        else:
+        elif isinstance(self.stop, (list, tuple)):
             self.stop = list(self.stop)
-        self.stop_token_ids = [] if self.stop_token_ids is None else [int(t) for t in self.stop_token_ids]
+        self.stop_token_ids = _token_ids("stop_token_ids", self.stop_token_ids or [])
         if self.logit_bias is not None:
             try:
                 self.logit_bias = {int(t): float(v) for t, v in self.logit_bias.items()}
-            except (TypeError, ValueError, AttributeError) as e:
+            except (TypeError, ValueError, OverflowError, AttributeError) as e:
                 raise ValueError(f"logit_bias must map token ids to numbers, got {self.logit_bias!r}") from e
         if self.allowed_token_ids is not None:
-            self.allowed_token_ids = [int(t) for t in self.allowed_token_ids]
+            self.allowed_token_ids = _token_ids("allowed_token_ids", self.allowed_token_ids)
         self._verify()
         if 0.0 < self.temperature < MIN_RANDOM_TEMPERATURE:
             self.temperature = MIN_RANDOM_TEMPERATURE
@@ -76,7 +82,22 @@ class SamplingParams:
             # Truncation cannot change an argmax; clearing it keeps greedy batches on the fast path.
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
 
+    def _verify_types(self) -> None:
+        # A wrong type would otherwise pass the range checks below and fail later inside a batched engine
+        # step, taking every request of that step down with it.
+        for name in _INT_FIELDS:
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+                raise ValueError(f"{name} must be an integer, got {value!r}")
+        for name in _FLOAT_FIELDS:
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not abs(value) <= _FLOAT32_MAX:
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) for s in self.stop):
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
+
     def _verify(self) -> None:
+        self._verify_types()
         if self.n < 1:
             raise ValueError(f"n must be at least 1, got {self.n}")
         if self.best_of is not None and self.best_of < self.n:
@@ -108,8 +129,11 @@ class SamplingParams:
             raise ValueError(f"prompt_logprobs must be non-negative, got {self.prompt_logprobs}")
         if self.allowed_token_ids is not None and not self.allowed_token_ids:
             raise ValueError("allowed_token_ids must not be empty")
-        if self.logit_bias and not all(math.isfinite(v) for v in self.logit_bias.values()):
+        if self.logit_bias and not all(abs(v) <= _FLOAT32_MAX for v in self.logit_bias.values()):
             raise ValueError("logit_bias values must be finite")
+        if self.seed is not None and not MIN_SEED <= self.seed <= MAX_SEED - ((self.best_of or self.n) - 1):
+            raise ValueError(f"seed must be in [{MIN_SEED}, {MAX_SEED}] for each of the request's samples "
+                             f"(sample i uses seed + i), got {self.seed}")
         if any(not s for s in self.stop):
             raise ValueError("stop cannot contain an empty string")
         if self.temperature < SAMPLING_EPS and self.n > 1:
@@ -138,6 +162,13 @@ class SamplingParams:
             self, stop=list(self.stop), stop_token_ids=list(self.stop_token_ids),
             logit_bias=None if self.logit_bias is None else dict(self.logit_bias),
             allowed_token_ids=None if self.allowed_token_ids is None else list(self.allowed_token_ids))
+
+
+def _token_ids(name: str, ids: object) -> list[int]:
+    try:
+        return [int(t) for t in ids]  # type: ignore[attr-defined]
+    except (TypeError, ValueError, OverflowError) as e:
+        raise ValueError(f"{name} must be a list of token ids, got {ids!r}") from e
 
 
 @dataclass(slots=True)

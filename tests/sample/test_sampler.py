@@ -101,6 +101,17 @@ def test_truncation_never_picks_excluded_tokens(kwargs, allowed):
     assert _draw_many(crafted_logits(3000), **kwargs) == allowed
 
 
+@pytest.mark.parametrize("top_p", [1e-46, 1e-30])
+def test_tiny_top_p_keeps_the_most_likely_token(top_p):
+    # 1e-46 is 0 in fp32: every token's mass_before (>= 0) reached it, the whole row became -inf, and the
+    # NaN softmax sampled token 0 (here never the most likely one).
+    logits = torch.randn(64, 50) * 2
+    logits[:, 0] = -10.0
+    for kwargs in (dict(top_p=top_p), dict(top_p=top_p, top_k=5)):
+        rows = [row(temperature=1.0, **kwargs) for _ in range(64)]
+        assert run(logits, rows).sampled_token_ids == logits.argmax(-1).tolist()
+
+
 def test_temperature_frequencies_match_softmax():
     logits = torch.tensor([1.0, 0.5, 0.0, -0.5, -1.0, 2.0])
     temperature = 0.7

@@ -45,6 +45,9 @@ def test_valid_edges_accepted():
     SamplingParams(top_k=1, top_p=1.0, min_p=1.0, presence_penalty=-2.0, frequency_penalty=2.0)
     SamplingParams(max_tokens=None, min_tokens=100)
     SamplingParams(n=2, best_of=2, logprobs=0, prompt_logprobs=0, max_tokens=3, min_tokens=3)
+    SamplingParams(seed=2 ** 64 - 3, n=3)
+    SamplingParams(seed=-2 ** 63, n=1, best_of=4)
+    SamplingParams(temperature=2, repetition_penalty=3, top_p=1)  # ints are numbers too
 
 
 @pytest.mark.parametrize("kwargs, field", [
@@ -71,6 +74,31 @@ def test_valid_edges_accepted():
     (dict(stop=["ok", ""]), "stop"),
     (dict(stop=""), "stop"),
     (dict(n=2, temperature=0.0), "n"),
+    # Values that used to pass and then raise (or turn NaN) inside a shared engine step.
+    (dict(seed=2 ** 64), "seed"),
+    (dict(seed=-2 ** 63 - 1), "seed"),
+    (dict(seed=2 ** 64 - 2, n=3), "seed"),           # sample 2 would use seed + 2
+    (dict(seed=2 ** 64 - 2, n=1, best_of=3), "seed"),
+    (dict(temperature=float("inf")), "temperature"),
+    (dict(temperature=1e300), "temperature"),         # inf in the sampler's fp32
+    (dict(repetition_penalty=float("inf")), "repetition_penalty"),
+    (dict(repetition_penalty=float("nan")), "repetition_penalty"),
+    (dict(presence_penalty=float("nan")), "presence_penalty"),
+    (dict(frequency_penalty=float("inf")), "frequency_penalty"),
+    (dict(top_p=float("nan")), "top_p"),
+    (dict(min_p=float("nan")), "min_p"),
+    (dict(top_k=2.5), "top_k"),
+    (dict(n=True), "n"),
+    (dict(seed=1.5), "seed"),
+    (dict(max_tokens="8"), "max_tokens"),
+    (dict(temperature="hot"), "temperature"),
+    (dict(stop=["ok", 3]), "stop"),
+    (dict(stop=5), "stop"),
+    (dict(stop_token_ids=[1, None]), "stop_token_ids"),
+    (dict(allowed_token_ids=["x"]), "allowed_token_ids"),
+    (dict(logit_bias={1: float("inf")}), "logit_bias"),
+    (dict(logit_bias={1: 1e300}), "logit_bias"),
+    (dict(logit_bias={float("inf"): 1.0}), "logit_bias"),
 ])
 def test_invalid_values_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=rf"\b{field}\b"):

@@ -3,99 +3,12 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
-from types import SimpleNamespace
 
 import pytest
 
-from pagedserve.config import ModelConfig
-from pagedserve.core.scheduler_output import SchedulerStats
 from pagedserve.engine.async_engine import AsyncLLMEngine, EngineClosedError, EngineError
-from pagedserve.engine.core import EngineCoreOutput, EngineCoreRequest
-from pagedserve.metrics.stats import EngineStats
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams
-
-
-PROMPT = "t1 t2"
-TOO_LONG = " ".join(["t3"] * 20_001)  # more tokens than max_model_len
-VOCAB = [f"t{i}" for i in range(100)] + ["[UNK]"]
-
-
-def word_tokenizer():
-    # A real (fast) tokenizer, built offline: one word per token, "t0".."t99".
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(VOCAB)}, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
-    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")
-
-
-class FakeCore:
-    """An EngineCore without a model: one token per step per request (token i at step i); records threads."""
-
-    def __init__(self, step_s: float = 0.002) -> None:
-        self.model_name, self.max_model_len, self.num_kv_blocks = "fake", 20_000, 8
-        self.config = SimpleNamespace(cache=SimpleNamespace(block_size=16), model=ModelConfig())
-        self.loaded = SimpleNamespace(tokenizer=word_tokenizer(), hf_config=SimpleNamespace(vocab_size=len(VOCAB)),
-                                      eos_token_ids=[], chat_template=None)
-        self.stats = EngineStats()
-        self.requests: dict[str, tuple[EngineCoreRequest, list[int]]] = {}
-        self.aborted: list[str] = []
-        self.threads: set[int] = set()
-        self.fail_next_step = False
-        self.poisoned: set[str] = set()  # requests whose next step output is a per-request error
-        self.block = threading.Event()
-        self.block.set()
-        self.step_s = step_s
-        self.scheduler = SimpleNamespace(stats=self._sched_stats, requests=self.requests)
-
-    def _touch(self) -> None:
-        self.threads.add(threading.get_ident())
-
-    def _sched_stats(self) -> SchedulerStats:
-        self._touch()
-        used = len(self.requests)
-        return SchedulerStats(used, 0, used / self.num_kv_blocks, 0, 0, 0, self.num_kv_blocks - used,
-                              self.num_kv_blocks)
-
-    def add_requests(self, reqs) -> None:
-        self._touch()
-        if any(r.req_id in self.requests for r in reqs):
-            raise ValueError("duplicate id")
-        for r in reqs:
-            self.requests[r.req_id] = (r, [])
-
-    def finish_requests(self, ids, status=None) -> None:
-        self._touch()
-        for rid in ids:
-            if self.requests.pop(rid, None) is not None:
-                self.aborted.append(rid)
-
-    def has_unfinished_requests(self) -> bool:
-        self._touch()
-        return bool(self.requests)
-
-    def step(self) -> list[EngineCoreOutput]:
-        self._touch()
-        self.block.wait()
-        time.sleep(self.step_s)
-        if self.fail_next_step:
-            self.fail_next_step = False
-            raise RuntimeError("boom")
-        outs = []
-        for rid, (req, tokens) in list(self.requests.items()):
-            if rid in self.poisoned:
-                del self.requests[rid]
-                outs.append(EngineCoreOutput(rid, [], "error", error="RuntimeError: poisoned row"))
-                continue
-            tokens.append(len(tokens))
-            done = len(tokens) >= req.max_tokens
-            outs.append(EngineCoreOutput(rid, [tokens[-1]], "length" if done else None))
-            if done:
-                del self.requests[rid]
-        return outs
+from tests.server.fake_engine import PROMPT, TOO_LONG, FakeCore
 
 
 @pytest.fixture
@@ -292,15 +205,35 @@ def test_health_follows_the_step_heartbeat(fake):
     engine, async_engine = fake
 
     async def main():
-        engine.block.clear()  # the next step hangs
+        engine.step_gate = threading.Event()  # the next step hangs
         task = asyncio.create_task(async_engine.add_request("r", PROMPT, SamplingParams(max_tokens=3)))
         stream = await task
         await asyncio.sleep(0.3)
         stuck = async_engine.is_healthy(max_stall_s=0.1)
-        engine.block.set()
+        engine.step_gate.set()
         outs = [o async for o in stream]
         return stuck, outs
 
     stuck, outs = asyncio.run(asyncio.wait_for(main(), 10))
     assert not stuck and outs[-1].finished
     assert async_engine.is_healthy(max_stall_s=0.1)
+
+
+def test_snapshot_counts_a_request_before_its_final_output_arrives():
+    # /metrics reads the snapshot; a client that has its final output must find it counted. A slow stats read
+    # widens the window in which handing outputs over first would show the old snapshot.
+    engine = FakeCore()
+    engine.stats_delay_s = 0.05
+    async_engine = AsyncLLMEngine(engine)
+    try:
+        async def main():
+            seen = []
+            for i in range(3):
+                async for out in async_engine.generate(PROMPT, SamplingParams(max_tokens=2), f"r{i}"):
+                    if out.finished:
+                        seen.append(async_engine.snapshot.finished_by_reason.get("length", 0))
+            return seen
+
+        assert asyncio.run(asyncio.wait_for(main(), 10)) == [1, 2, 3]
+    finally:
+        async_engine.shutdown()

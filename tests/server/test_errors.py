@@ -1,6 +1,7 @@
 """Error bodies and status codes, API keys, the small endpoints, and the vLLM-compatible switches."""
 from __future__ import annotations
 
+import json
 import signal
 import threading
 
@@ -44,6 +45,48 @@ def test_invalid_completion_fields_are_400(server, body, param):
     assert err["type"] == "invalid_request_error"
     if param is not None:
         assert err["param"] == param
+
+
+def post_raw(server, path: str, body: dict) -> httpx.Response:
+    # json.dumps escapes a lone surrogate as \ud800 (httpx's own encoder cannot encode it at all).
+    return post(server, path, content=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+
+
+SURROGATE = "a\ud800b"
+CHAT = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {"prompt": SURROGATE, "max_tokens": 2}),
+    ("/v1/completions", {"prompt": ["fine", SURROGATE], "max_tokens": 2}),
+    ("/v1/completions", {"prompt": "hi", "stop": [SURROGATE], "max_tokens": 2}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": SURROGATE}], "max_tokens": 2}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": SURROGATE}]}],
+                              "max_tokens": 2}),
+    ("/v1/chat/completions", {"messages": CHAT, "stream": True, "model": SURROGATE}),
+    ("/tokenize", {"prompt": SURROGATE}),
+    ("/tokenize", {"messages": [{"role": "user", "content": SURROGATE}]}),
+    ("/tokenize", {"messages": [{"role": SURROGATE, "content": "hi"}]}),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {SURROGATE: 1}}),
+])
+def test_lone_surrogates_are_400(server, path, body):
+    assert_openai_error(post_raw(server, path, body), 400)
+
+
+@pytest.mark.parametrize("fields,param", [
+    # json.dumps writes Infinity and NaN, which Python's JSON parser (the server's) reads back.
+    ({"temperature": float("inf")}, "temperature"),
+    ({"repetition_penalty": float("inf")}, "repetition_penalty"),
+    ({"top_p": float("nan")}, "top_p"),
+    ({"seed": 2 ** 64}, "seed"),
+    ({"seed": -2 ** 63 - 1}, "seed"),
+    ({"seed": 2 ** 64 - 1, "n": 2}, None),  # sample 1 would use seed + 1
+])
+def test_values_that_would_fail_inside_a_step_are_400(server, fields, param):
+    for path, body in (("/v1/completions", {"prompt": "hi"}), ("/v1/chat/completions", {"messages": CHAT})):
+        err = assert_openai_error(post_raw(server, path, {**body, "max_tokens": 2, **fields}), 400)
+        if param is not None:
+            assert err["param"] == param
 
 
 def test_invalid_chat_fields_are_400(server):
@@ -97,8 +140,10 @@ def test_bad_requests_do_not_disturb_requests_in_flight(server, client, model_na
     errors = []
 
     def hammer():
-        for body in ({"prompt": "x", "temperature": -3}, {"prompt": [10 ** 9]}, {"prompt": [1] * 5000}):
+        for body in ({"prompt": "x", "temperature": -3}, {"prompt": [10 ** 9]}, {"prompt": [1] * 5000},
+                     {"prompt": "x", "seed": 2 ** 64 - 1, "n": 2}, {"prompt": "x", "seed": 2 ** 64}):
             errors.append(post(server, "/v1/completions", json=body).status_code)
+        errors.append(post_raw(server, "/v1/completions", {"prompt": SURROGATE}).status_code)
         errors.append(post(server, "/v1/completions", content=b"{{{",
                            headers={"Content-Type": "application/json"}).status_code)
 
@@ -106,7 +151,7 @@ def test_bad_requests_do_not_disturb_requests_in_flight(server, client, model_na
     t.start()
     rest = list(chunks)
     t.join()
-    assert errors == [400, 400, 400, 400]
+    assert errors == [400] * 7
     usage = rest[-1].usage
     assert usage.completion_tokens == 30
     assert [c.choices[0].finish_reason for c in [first, *rest] if c.choices][-1] == "length"

@@ -10,6 +10,7 @@ has, then share its blocks (the last, partly filled one copy-on-write) and compu
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 
 from pagedserve.config import SchedulerConfig
@@ -131,6 +132,8 @@ class Scheduler:
 
     def _admit(self, req: Request) -> None:
         self.waiting.popleft()
+        if req.scheduled_time is None:  # queue time ends here, before the prefill runs
+            req.scheduled_time = time.monotonic()
         req.status = RequestStatus.RUNNING
         self.running.append(req)
 

@@ -115,6 +115,10 @@ class EngineCore:
         self.stats = EngineStats()
         # Requests failed inside a step, reported by the next step() (an abort may already have been sent).
         self._failed: list[EngineCoreOutput] = []
+        # Samples of one user request (a sample's group is the sample it forks, or itself), so metrics count
+        # a request once when its last sample ends, as vLLM does.
+        self._group_of: dict[str, str] = {}
+        self._groups: dict[str, list[Request]] = {}
         logger.info("loaded %s in %.1fs on %s; KV pool: %d blocks x %d tokens = %d tokens",
                     self.model_name, time.perf_counter() - t0, device, num_blocks, bs, num_blocks * bs)
 
@@ -138,16 +142,26 @@ class EngineCore:
                           cache_salt=r.cache_salt)
             self.scheduler.add_request(req, fork_of=by_id.get(r.fork_of) if r.fork_of else None)
             by_id[r.req_id] = req
+            group = r.fork_of or r.req_id
+            self._group_of[r.req_id] = group
+            self._groups.setdefault(group, []).append(req)
 
     def finish_requests(self, req_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
         # Aborts (client gone) and stop-string hits found by the front-end. Unknown ids are already done.
         for req_id in req_ids:
             req = self.scheduler.finish_request(req_id, status)
-            if req is None:
-                continue
-            if status is RequestStatus.FINISHED_ABORTED:
-                self.stats.num_aborted += 1
-            self.stats.record_finished(req)
+            if req is not None:
+                self._record_finished(req)
+
+    def _record_finished(self, req: Request) -> None:
+        group = self._group_of.pop(req.req_id, req.req_id)
+        samples = self._groups.get(group, [req])
+        if any(not s.status.is_finished for s in samples):
+            return
+        self._groups.pop(group, None)
+        if any(s.status is RequestStatus.FINISHED_ABORTED for s in samples):
+            self.stats.num_aborted += 1
+        self.stats.record_finished(samples)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._failed)
@@ -165,15 +179,12 @@ class EngineCore:
                 self.runner.execute(plan)
             return outputs
         t0 = time.perf_counter()
-        now = time.monotonic()
-        for s in plan.scheduled:
-            if s.request.scheduled_time is None:
-                s.request.scheduled_time = now
         failures = _StepFailures()
         result = self._execute(plan, failures)
         for req_id, message in failures.errors.items():
             req = self.scheduler.finish_request(req_id, RequestStatus.FINISHED_ABORTED)
             if req is not None:
+                self._record_finished(req)
                 outputs.append(EngineCoreOutput(req_id, [], "error", error=message,
                                                 stats=RequestStats.from_request(req)))
         updated = self.scheduler.update(plan, result)
@@ -195,7 +206,7 @@ class EngineCore:
             if req.status.is_finished:
                 out.finish_reason = req.status.value
                 out.stop_reason = req.stop_reason
-                self.stats.record_finished(req)
+                self._record_finished(req)
             out.stats = RequestStats.from_request(req)
             outputs.append(out)
         if result.prompt_logprobs:

@@ -6,11 +6,14 @@ read them unchanged. Each server gets its own CollectorRegistry (no global state
 Where the numbers come from:
 - Gauges and counters are read at scrape time from the async engine's snapshot, which the engine thread takes
   after every step and command batch. Totals therefore live in one place (EngineStats / SchedulerStats).
-- Histograms are observed when a sequence finishes (EngineStats.on_finished, on the engine thread). Aborted
-  sequences are counted in request_success_total{finished_reason="abort"} but observe no latencies.
-- inter_token_latency_seconds: the engine keeps only first/last token times per sequence, so a finished
-  sequence observes its mean gap (last - first) / (tokens - 1), once per gap. _sum and _count equal what
-  per-token observation gives; only the spread across buckets within one sequence is flattened.
+- Everything counts user requests, as vLLM does: a request with n samples finishes (or is aborted) once, with
+  sample 0's finish reason, and observes its latencies once.
+- Histograms are observed when a request finishes (EngineStats.on_finished, on the engine thread). Aborted
+  requests are counted in request_success_total{finished_reason="abort"} but observe no latencies.
+- request_queue_time_seconds: arrival until the scheduler first admitted the request (before its prefill).
+- inter_token_latency_seconds: the engine keeps only first/last token times, so a finished request observes
+  its mean gap once per gap. For n=1 _sum and _count equal what per-token observation gives; only the spread
+  across buckets within one request is flattened (for n>1 the gap is approximated from the request's span).
 """
 from __future__ import annotations
 
@@ -87,7 +90,7 @@ class _SnapshotCollector:
         preempt.add_metric([self.model_name, "swap"], swaps)
         preempt.add_metric([self.model_name, "recompute"], (sched.num_preemptions_total if sched else 0) - swaps)
         yield preempt
-        success = CounterMetricFamily(f"{p}:request_success_total", "Count of finished sequences by reason.",
+        success = CounterMetricFamily(f"{p}:request_success_total", "Count of finished requests by reason.",
                                       labels=["model_name", "finished_reason"])
         for reason in _FINISH_REASONS:
             value = snap.num_aborted if reason == "abort" else snap.finished_by_reason.get(reason, 0)
@@ -130,7 +133,7 @@ class PrometheusMetrics:
             self.e2e.observe(rs.e2e_latency)
         itl = rs.mean_inter_token_latency
         if itl is not None:
-            for _ in range(rs.num_generation_tokens - 1):
+            for _ in range(rs.num_token_gaps):
                 self.itl.observe(itl)
 
     def render(self) -> tuple[bytes, str]:

@@ -11,13 +11,14 @@ from pagedserve.core.scheduler_output import SchedulerOutput, SchedulerStats
 @dataclass(frozen=True, slots=True)
 class RequestStats:
     arrival_time: float
-    scheduled_time: float | None
+    scheduled_time: float | None    # first admitted by the scheduler
     first_token_time: float | None
     last_token_time: float | None
     num_prompt_tokens: int
-    num_generation_tokens: int
+    num_generation_tokens: int      # over all samples
     num_cached_tokens: int
     finish_reason: str | None
+    num_samples: int = 1            # n (or best_of) samples generated side by side
 
     @classmethod
     def from_request(cls, req) -> "RequestStats":
@@ -25,6 +26,24 @@ class RequestStats:
         return cls(req.arrival_time, req.scheduled_time, req.first_token_time, req.last_token_time,
                    req.num_prompt_tokens, req.num_output_tokens, req.num_cached_tokens,
                    req.status.value if done else None)
+
+    @classmethod
+    def from_samples(cls, reqs: list) -> "RequestStats":
+        # One user request of n samples, as vLLM counts it: queued until its first sample was scheduled,
+        # first token from the earliest sample, done with the last; its finish reason is sample 0's.
+        first = reqs[0]
+        if len(reqs) == 1:
+            return cls.from_request(first)
+
+        def earliest(values: list[float | None]) -> float | None:
+            known = [v for v in values if v is not None]
+            return min(known) if known else None
+
+        last_times = [r.last_token_time for r in reqs if r.last_token_time is not None]
+        return cls(first.arrival_time, earliest([r.scheduled_time for r in reqs]),
+                   earliest([r.first_token_time for r in reqs]), max(last_times) if last_times else None,
+                   first.num_prompt_tokens, sum(r.num_output_tokens for r in reqs), first.num_cached_tokens,
+                   first.status.value if first.status.is_finished else None, len(reqs))
 
     @property
     def ttft(self) -> float | None:
@@ -39,10 +58,15 @@ class RequestStats:
         return None if self.last_token_time is None else self.last_token_time - self.arrival_time
 
     @property
+    def num_token_gaps(self) -> int:
+        # Each sample's tokens after its first one (samples decode side by side, not one after another).
+        return max(0, self.num_generation_tokens - self.num_samples)
+
+    @property
     def mean_inter_token_latency(self) -> float | None:
-        if self.num_generation_tokens < 2 or self.first_token_time is None or self.last_token_time is None:
+        if self.num_token_gaps < 1 or self.first_token_time is None or self.last_token_time is None:
             return None
-        return (self.last_token_time - self.first_token_time) / (self.num_generation_tokens - 1)
+        return (self.last_token_time - self.first_token_time) * self.num_samples / self.num_token_gaps
 
 
 @dataclass(slots=True)
@@ -51,6 +75,7 @@ class EngineStats:
     num_generation_tokens_total: int = 0
     num_steps: int = 0
     step_time_total: float = 0.0
+    # Both counted per user request: n samples are one request, finished or aborted.
     num_aborted: int = 0
     finished_by_reason: Counter = field(default_factory=Counter)
     scheduler: SchedulerStats | None = None
@@ -67,9 +92,9 @@ class EngineStats:
             self.num_prompt_tokens_total += num_prompt
             self.num_generation_tokens_total += int(s.sample)
 
-    def record_finished(self, req) -> None:
-        self.finished_by_reason[req.status.value] += 1
-        if self.on_finished:
-            rs = RequestStats.from_request(req)
-            for fn in self.on_finished:
-                fn(rs)
+    def record_finished(self, samples: list) -> None:
+        # samples: the finished Requests of one user request.
+        rs = RequestStats.from_samples(samples)
+        self.finished_by_reason[rs.finish_reason] += 1
+        for fn in self.on_finished:
+            fn(rs)

@@ -250,9 +250,11 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, max_top_
     probs = sorted_logits.softmax(dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs
     # Keep the smallest prefix reaching top_p: drop a token once the tokens before it already hold top_p.
-    # The first token has mass_before 0 < top_p, so every row keeps at least one token. Rows with
-    # top_p == 1 skip this entirely so rounding in the cumsum cannot drop their tail.
+    # The most likely token always stays: a top_p below fp32's smallest subnormal (1e-46) is 0 here, and
+    # 0 >= 0 would drop every token (an all -inf row samples garbage). Rows with top_p == 1 skip this
+    # entirely so rounding in the cumsum cannot drop their tail.
     drop = (mass_before >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
+    drop[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(drop, _NEG_INF)
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 

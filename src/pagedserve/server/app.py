@@ -5,22 +5,22 @@ model work on its engine thread, never in a handler.
 """
 from __future__ import annotations
 
-import hmac
 import logging
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from starlette.datastructures import Headers
+from jinja2 import TemplateError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagedserve import __version__
 from pagedserve.engine.async_engine import AsyncLLMEngine, EngineClosedError, EngineError
 from pagedserve.metrics.prometheus import PrometheusMetrics
+from pagedserve.server.cli_args import HEALTH_MAX_STALL_S, MAX_REQUEST_BODY_SIZE, MAX_SAMPLES_PER_REQUEST
 from pagedserve.server.context import ServerContext
 from pagedserve.server.errors import OpenAIError
+from pagedserve.server.middleware import APIKeyMiddleware, BodySizeLimitMiddleware
 from pagedserve.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                         DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
                                         TokenizeResponse)
@@ -30,27 +30,13 @@ from pagedserve.server.streaming import ClientDisconnected, json_response
 
 logger = logging.getLogger(__name__)
 
-# Probes and scrapers carry no key.
-OPEN_PATHS = frozenset({"/health", "/metrics"})
 
-
-class APIKeyMiddleware:
-    # Plain ASGI (not BaseHTTPMiddleware) so it neither buffers streams nor gets in the way of disconnects,
-    # and it runs before body parsing: a keyless request with a broken body gets 401, not 400.
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
-            given = Headers(scope=scope).get("authorization", "").encode("latin-1", "replace")
-            # compare_digest takes time independent of where the bytes differ.
-            if not hmac.compare_digest(given, self.expected):
-                err = OpenAIError("Incorrect or missing API key; send 'Authorization: Bearer <key>'.", 401,
-                                  code="invalid_api_key")
-                await err.response()(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
+def check_num_samples(limit: int, n: int, best_of: int | None = None) -> None:
+    # Samples are created on the engine thread; an unbounded n or best_of stalls everyone else's requests.
+    for name, value in (("n", n), ("best_of", best_of)):
+        if value is not None and value > limit:
+            raise OpenAIError(f"{name} must be at most {limit} (--max-samples-per-request), got {value}", 400,
+                              param=name)
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -95,9 +81,20 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def _engine(_: Request, exc: EngineError) -> Response:
         return OpenAIError(str(exc), 500).response()
 
+    @app.exception_handler(TemplateError)
+    async def _template(_: Request, exc: TemplateError) -> Response:
+        # A chat template's raise_exception(...) refuses the conversation (roles out of order, ...).
+        return OpenAIError(f"chat template error: {exc}", 400).response()
+
     @app.exception_handler(ClientDisconnected)
     async def _gone(_: Request, exc: ClientDisconnected) -> Response:
         return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
+
+    @app.exception_handler(Exception)
+    async def _unhandled(_: Request, exc: Exception) -> Response:
+        # Starlette's last resort: without this a bug answers a plain-text 500 that OpenAI clients cannot parse.
+        # (Starlette still re-raises afterwards, so the traceback reaches the log.)
+        return OpenAIError(f"internal server error: {type(exc).__name__}: {exc}", 500).response()
 
 
 def build_app(engine: AsyncLLMEngine, args: Any) -> FastAPI:
@@ -109,18 +106,27 @@ def build_app(engine: AsyncLLMEngine, args: Any) -> FastAPI:
     app.state.ctx = ctx
     app.state.metrics = metrics
     _install_error_handlers(app)
+    max_samples = getattr(args, "max_samples_per_request", MAX_SAMPLES_PER_REQUEST)
+    max_stall_s = getattr(args, "health_max_stall_s", HEALTH_MAX_STALL_S)
+    # Added last is outermost: the key is checked before any body byte is read.
+    app.add_middleware(BodySizeLimitMiddleware,
+                       max_bytes=getattr(args, "max_request_body_size", MAX_REQUEST_BODY_SIZE))
     api_key = getattr(args, "api_key", None)
-    if api_key:
+    if api_key is not None:
+        if not api_key:  # "" must not silently mean "no auth"
+            raise ValueError("--api-key must not be empty")
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     completion = OpenAIServingCompletion(ctx)
     chat = OpenAIServingChat(ctx)
 
     @app.post("/v1/completions")
     async def create_completion(req: CompletionRequest, raw_request: Request) -> Response:
+        check_num_samples(max_samples, req.n, req.best_of)
         return await completion.create(req, raw_request)
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(req: ChatCompletionRequest, raw_request: Request) -> Response:
+        check_num_samples(max_samples, req.n)
         return await chat.create(req, raw_request)
 
     @app.get("/v1/models")
@@ -131,7 +137,10 @@ def build_app(engine: AsyncLLMEngine, args: Any) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=200 if engine.is_running else 503)
+        if engine.is_healthy(max_stall_s):
+            return Response(status_code=200)
+        return OpenAIError(f"the engine is stopped or has been stuck in one step for over {max_stall_s:g}s",
+                           503).response()
 
     @app.get("/version")
     async def version() -> Response:
@@ -174,16 +183,37 @@ def build_app(engine: AsyncLLMEngine, args: Any) -> FastAPI:
 
 # On SIGINT/SIGTERM open responses get this long to finish; then the engine stops, which ends every stream
 # with an error event and [DONE] (503 for non-streaming), so uvicorn never has to cancel a handler mid-await.
+# A second signal stops the engine at once, and the process then exits with FORCED_EXIT_CODE.
 DRAIN_S = 5.0
+FORCED_EXIT_CODE = 1
 
 
-def run_server(engine: AsyncLLMEngine, args: Any) -> None:
-    """Serve until SIGINT/SIGTERM, drain (DRAIN_S), then stop the engine."""
+def run_server(engine: AsyncLLMEngine, args: Any) -> int:
+    """Serve until SIGINT/SIGTERM, drain (DRAIN_S), then stop the engine. Returns the exit code."""
     import asyncio
 
     import uvicorn
 
     class Server(uvicorn.Server):
+        loop: asyncio.AbstractEventLoop | None = None
+        forced = False
+
+        async def serve(self, sockets: Any = None) -> None:
+            self.loop = asyncio.get_running_loop()
+            await super().serve(sockets)
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            # uvicorn's own second SIGINT (force_exit) stops waiting for connections and lets asyncio cancel
+            # the open streams mid-write: no error event, no [DONE]. Instead stop the engine now, which ends
+            # every stream properly; the connections then close by themselves. A third signal forces.
+            if self.should_exit and not self.forced and self.loop is not None:
+                self.forced = True
+                # Runs inside a signal handler: the engine's lock may be held by this very thread, so the
+                # shutdown itself is left to the event loop.
+                self.loop.call_soon_threadsafe(engine.shutdown, 0.0)
+                return
+            super().handle_exit(sig, frame)
+
         async def shutdown(self, sockets: Any = None) -> None:
             stop = asyncio.get_running_loop().call_later(DRAIN_S, engine.shutdown, 0.0)
             try:
@@ -195,8 +225,18 @@ def run_server(engine: AsyncLLMEngine, args: Any) -> None:
     config = uvicorn.Config(app, host=args.host, port=args.port,
                             log_level=getattr(args, "uvicorn_log_level", "info"),
                             timeout_graceful_shutdown=int(DRAIN_S) + 5)
+    server = Server(config)
     try:
-        Server(config).run()
+        server.run()
+    except BaseException:
+        # uvicorn re-raises the signals it caught once it has stopped; after a forced stop the exit code
+        # reports it instead.
+        if not server.forced:
+            raise
     finally:
         engine.shutdown()
         logger.info("engine stopped")
+    if server.forced:
+        logger.error("stopped by a second signal: open streams were ended with an error")
+        return FORCED_EXIT_CODE
+    return 0

@@ -8,9 +8,31 @@ from typing import Callable
 
 logger = logging.getLogger("pagedserve.serve")
 
+# Server flag defaults (build_app falls back to them for args that lack the flags).
+MAX_SAMPLES_PER_REQUEST = 64
+MAX_REQUEST_BODY_SIZE = 16 << 20
+# A decode step takes milliseconds and a full prefill chunk well under a second on CPU; 30 s in one step is
+# a stuck engine.
+HEALTH_MAX_STALL_S = 30.0
+
 
 class _ShutdownSignal(Exception):
     pass
+
+
+def _api_key(value: str) -> str:
+    if not value:
+        raise argparse.ArgumentTypeError("must not be empty (an empty key would turn authentication off)")
+    return value
+
+
+def _positive(kind: type) -> Callable[[str], object]:
+    def parse(value: str) -> object:
+        number = kind(value)
+        if not number > 0:
+            raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+        return number
+    return parse
 
 
 def add_serve_parser(subparsers, add_engine_args: Callable[[argparse.ArgumentParser], None]) -> None:
@@ -19,8 +41,14 @@ def add_serve_parser(subparsers, add_engine_args: Callable[[argparse.ArgumentPar
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=8000)
-    g.add_argument("--api-key", default=None,
+    g.add_argument("--api-key", default=None, type=_api_key,
                    help="require 'Authorization: Bearer KEY' on every endpoint except /health and /metrics")
+    g.add_argument("--max-samples-per-request", type=_positive(int), default=MAX_SAMPLES_PER_REQUEST,
+                   metavar="N", help="largest n and best_of a request may ask for (400 above it)")
+    g.add_argument("--max-request-body-size", type=_positive(int), default=MAX_REQUEST_BODY_SIZE,
+                   metavar="BYTES", help="larger request bodies are refused with 413")
+    g.add_argument("--health-max-stall-s", type=_positive(float), default=HEALTH_MAX_STALL_S,
+                   metavar="SECONDS", help="/health answers 503 once one engine step has run this long")
     g.add_argument("--served-model-name", nargs="+", default=None,
                    help="model name(s) clients send; the first is used in responses (default: --model)")
     g.add_argument("--metrics-prefix", choices=["pagedserve", "vllm"], default="pagedserve",
@@ -42,6 +70,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _raise_shutdown)
     signal.signal(signal.SIGINT, _raise_shutdown)
     engine = None
+    exit_code = 0
     try:
         from pagedserve.engine.async_engine import AsyncLLMEngine
         from pagedserve.llm import engine_config_from_kwargs
@@ -56,11 +85,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
                     engine.num_kv_blocks * engine.block_size)
         logger.info("serving at http://%s:%d  (OpenAI base_url http://%s:%d/v1)%s", args.host, args.port,
                     args.host, args.port, "; API key required" if args.api_key else "")
-        run_server(engine, args)
+        exit_code = run_server(engine, args)
     except (_ShutdownSignal, KeyboardInterrupt) as sig:
         logger.info("received %s", sig or "SIGINT")
     finally:
         if engine is not None:
             engine.shutdown()
-    logger.info("shut down cleanly")
-    return 0
+    if exit_code == 0:
+        logger.info("shut down cleanly")
+    return exit_code

@@ -15,6 +15,8 @@ _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "inva
 class OpenAIError(Exception):
     def __init__(self, message: str, status_code: int = 400, param: str | None = None,
                  code: str | int | None = None, type: str | None = None) -> None:
+        # A message may quote request text; a lone surrogate in it would make the JSON body unencodable.
+        message = message.encode("utf-8", "backslashreplace").decode("utf-8")
         super().__init__(message)
         self.message = message
         self.status_code = status_code

@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.sampling_params import MAX_SEED, MIN_SEED, SamplingParams
 
 # vLLM's default --max-logprobs; OpenAI allows at most 5 (completions) and 20 (chat).
 MAX_LOGPROBS = 20
@@ -15,6 +15,28 @@ MAX_LOGPROBS = 20
 class OpenAIBaseModel(BaseModel):
     # Unknown fields are ignored, as OpenAI and vLLM do, so newer clients keep working.
     model_config = ConfigDict(extra="ignore")
+
+
+class OpenAIRequestModel(OpenAIBaseModel):
+    # JSON has no inf or nan, but Python's parser reads Infinity, NaN and 1e999; no request field wants them.
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+def _check_text(value: Any) -> Any:
+    # JSON may escape a lone surrogate ("\ud800"); such a str cannot be encoded to UTF-8, so the tokenizer
+    # (and any error message quoting it) would fail far from here. Lists of token ids are not walked.
+    items = value if isinstance(value, list) and value and isinstance(value[0], str) else [value]
+    for item in items:
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ValueError(f"text must be valid Unicode; a lone surrogate is at position {e.start}") from e
+    return value
+
+
+# A string (or a union holding strings) refused when it holds a lone surrogate.
+Text = Annotated[str, AfterValidator(_check_text)]
 
 
 class ErrorInfo(OpenAIBaseModel):
@@ -28,19 +50,20 @@ class ErrorResponse(OpenAIBaseModel):
     error: ErrorInfo
 
 
-class StreamOptions(OpenAIBaseModel):
+class StreamOptions(OpenAIRequestModel):
     include_usage: bool = False
 
 
-class _SamplingRequest(OpenAIBaseModel):
-    model: str | None = None
-    n: int = 1
+class _SamplingRequest(OpenAIRequestModel):
+    model: Text | None = None
+    n: int = Field(1, ge=1)
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
     min_p: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    # What torch.Generator accepts; SamplingParams also checks seed + n - 1 (one seed per sample).
+    seed: int | None = Field(None, ge=MIN_SEED, le=MAX_SEED)
+    stop: Annotated[str | list[str] | None, AfterValidator(_check_text)] = None
     stop_token_ids: list[int] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -51,11 +74,11 @@ class _SamplingRequest(OpenAIBaseModel):
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # OpenAI: token id (as a string key) -> bias in [-100, 100] added to its logit. vLLM extra: allowed_token_ids.
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[Text, float] | None = None
     allowed_token_ids: list[int] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: Text | None = None
     # vLLM extra: top-k logprobs of every prompt token, returned as `prompt_logprobs` (non-streamed only).
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     # vLLM extra: requests share prefix-cache blocks only with requests that carry the same salt.
@@ -103,12 +126,12 @@ class _SamplingRequest(OpenAIBaseModel):
 
 class CompletionRequest(_SamplingRequest):
     # Smart-mode union: a list of ints is token ids, a list of lists is a batch of token-id prompts.
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Annotated[str | list[str] | list[int] | list[list[int]], AfterValidator(_check_text)]
     max_tokens: int | None = 16
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
-    best_of: int | None = None
-    suffix: str | None = None
+    best_of: int | None = Field(None, ge=1)
+    suffix: Text | None = None
 
     @model_validator(mode="after")
     def _check_completion(self) -> CompletionRequest:
@@ -138,15 +161,15 @@ class CompletionRequest(_SamplingRequest):
         return list(p)
 
 
-class TextContentPart(OpenAIBaseModel):
+class TextContentPart(OpenAIRequestModel):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
-class ChatMessage(OpenAIBaseModel):
-    role: str
-    content: str | list[TextContentPart] | None = None
-    name: str | None = None
+class ChatMessage(OpenAIRequestModel):
+    role: Text
+    content: Annotated[str | list[TextContentPart] | None, AfterValidator(_check_text)] = None
+    name: Text | None = None
 
     def to_template_dict(self) -> dict[str, Any]:
         content = self.content
@@ -295,9 +318,9 @@ class ModelList(OpenAIBaseModel):
     data: list[ModelCard]
 
 
-class TokenizeRequest(OpenAIBaseModel):
-    model: str | None = None
-    prompt: str | None = None
+class TokenizeRequest(OpenAIRequestModel):
+    model: Text | None = None
+    prompt: Text | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
@@ -315,8 +338,8 @@ class TokenizeResponse(OpenAIBaseModel):
     tokens: list[int]
 
 
-class DetokenizeRequest(OpenAIBaseModel):
-    model: str | None = None
+class DetokenizeRequest(OpenAIRequestModel):
+    model: Text | None = None
     tokens: list[int]
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 from fastapi import Request
@@ -9,6 +10,9 @@ from pydantic import BaseModel
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from pagedserve.server.errors import OpenAIError
+
+logger = logging.getLogger(__name__)
 T = TypeVar("T")
 SSE_DONE = "data: [DONE]\n\n"
 
@@ -33,7 +37,8 @@ class SSEResponse(StreamingResponse):
     media_type = "text/event-stream"
 
     def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
-        super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        super().__init__(_ended_properly(content),
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self.on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -41,6 +46,19 @@ class SSEResponse(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self.on_close()
+
+
+async def _ended_properly(content: AsyncIterator[str]) -> AsyncIterator[str]:
+    # Once the 200 and the first events are out, an exception can no longer become an error response, and
+    # letting it escape cuts the connection without [DONE]. The endpoints report engine errors in-band
+    # themselves; this covers any bug they do not.
+    try:
+        async for chunk in content:
+            yield chunk
+    except Exception as exc:  # noqa: BLE001
+        logger.exception("a streaming response failed")
+        yield OpenAIError(f"internal server error: {type(exc).__name__}: {exc}", 500).sse_payload()
+        yield SSE_DONE
 
 
 class ClientDisconnected(Exception):

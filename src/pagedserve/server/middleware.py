@@ -1,0 +1,72 @@
+"""Plain ASGI middlewares: API keys and the request body limit.
+
+Plain ASGI (not BaseHTTPMiddleware) so they neither buffer streams nor get in the way of disconnects, and they
+run before FastAPI parses the body.
+"""
+from __future__ import annotations
+
+import hmac
+
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from pagedserve.server.errors import OpenAIError
+
+# Probes and scrapers carry no key.
+OPEN_PATHS = frozenset({"/health", "/metrics"})
+
+
+class APIKeyMiddleware:
+    # Runs before body parsing: a keyless request with a broken body gets 401, not 400.
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = api_key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            given = Headers(scope=scope).get("authorization", "").encode("latin-1", "replace")
+            scheme, _, token = given.strip().partition(b" ")
+            # The scheme is case-insensitive (RFC 9110); compare_digest takes time independent of where the
+            # key's bytes differ.
+            ok = hmac.compare_digest(token.strip(), self.expected)
+            if not ok or scheme.lower() != b"bearer":
+                err = OpenAIError("Incorrect or missing API key; send 'Authorization: Bearer <key>'.", 401,
+                                  code="invalid_api_key")
+                await err.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class BodySizeLimitMiddleware:
+    """413 for a body over max_bytes: at once from Content-Length, or as soon as a chunked upload passes it."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    def _error_message(self) -> str:
+        return f"the request body exceeds {self.max_bytes} bytes (--max-request-body-size)"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = Headers(scope=scope).get("content-length", "")
+        if length.isdigit() and int(length) > self.max_bytes:
+            await OpenAIError(self._error_message(), 413).response()(scope, receive, send)
+            return
+        received = 0
+
+        async def counted_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    # FastAPI re-raises an HTTPException met while reading the body; the app's handler turns
+                    # it into the OpenAI error body. Nothing more of the body is read.
+                    raise HTTPException(413, self._error_message())
+            return message
+
+        await self.app(scope, counted_receive, send)
