@@ -154,10 +154,10 @@ class EngineCore:
                 self._record_finished(req)
 
     def _record_finished(self, req: Request) -> None:
-        group = self._group_of.pop(req.req_id, req.req_id)
-        samples = self._groups.get(group, [req])
-        if any(not s.status.is_finished for s in samples):
-            return
+        group = self._group_of.pop(req.req_id, None)
+        samples = self._groups.get(group) if group is not None else None
+        if samples is None or any(not s.status.is_finished for s in samples):
+            return  # counted already (samples that ended in one step), or samples still running
         self._groups.pop(group, None)
         if any(s.status is RequestStatus.FINISHED_ABORTED for s in samples):
             self.stats.num_aborted += 1
