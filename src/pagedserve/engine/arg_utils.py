@@ -9,8 +9,8 @@ import argparse
 from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
-from pagedserve.config import (ATTENTION_BACKENDS, CHUNKED_PREFILL_BATCHED_TOKENS, DTYPES, CacheConfig, DeviceConfig, EngineConfig, ModelConfig,
-                               SchedulerConfig)
+from pagedserve.config import (ATTENTION_BACKENDS, CHUNKED_PREFILL_BATCHED_TOKENS, DTYPES, CacheConfig,
+                               DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig)
 
 
 def _default(cls: type, name: str) -> Any:
