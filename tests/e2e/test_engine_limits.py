@@ -2,11 +2,14 @@
 token budget that could never admit a long prompt (defect 8), and the --tokenizer option (defect 10)."""
 from __future__ import annotations
 
+import os
 import threading
 
 import pytest
+from transformers import AutoTokenizer
 
 from pagedserve import LLM, SamplingParams
+from pagedserve.model.loader import default_model_path
 
 CHAT = [{"role": "user", "content": "Say hi."}]
 
@@ -56,10 +59,6 @@ def test_unchunked_budget_smaller_than_the_context_fails_at_start_instead_of_han
 
 
 def test_tokenizer_directory_is_loaded(tmp_path):
-    from pagedserve.model.loader import default_model_path
-    from transformers import AutoTokenizer
-    import os
-
     gguf = default_model_path()
     tok = AutoTokenizer.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf))
     tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\nTOKENIZER-DIR {{ m['content'] }}"
