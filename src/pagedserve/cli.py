@@ -2,39 +2,10 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
-
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine")
-    g.add_argument("--model", default=None, help="GGUF file or Hugging Face directory (default: embedded SmolLM2)")
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--block-size", type=int, default=16)
-    mem = g.add_mutually_exclusive_group()
-    mem.add_argument("--kv-cache-memory", type=int, default=None, metavar="BYTES")
-    mem.add_argument("--kv-cache-fraction", type=float, default=0.25, metavar="F")
-    g.add_argument("--num-gpu-blocks-override", type=int, default=None)
-    g.add_argument("--max-num-seqs", type=int, default=64)
-    g.add_argument("--max-num-batched-tokens", type=int, default=512)
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    g.add_argument("--swap-space", type=float, default=0.0, metavar="GiB")
-    g.add_argument("--preemption-mode", choices=["recompute", "swap"], default="recompute")
-    g.add_argument("--device", default="auto")
-    g.add_argument("--num-threads", type=int, default=None)
-    g.add_argument("--attention-backend", choices=["auto", "reference", "cpu"], default="auto",
-                   help="auto: the compiled CPU kernel on CPU when it builds, else the pure-torch reference")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--chat-template", default=None, metavar="FILE")
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    return dict(max_model_len=args.max_model_len, block_size=args.block_size,
-                kv_cache_memory_bytes=args.kv_cache_memory, kv_cache_fraction=args.kv_cache_fraction,
-                num_gpu_blocks_override=args.num_gpu_blocks_override, max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=args.max_num_batched_tokens,
-                enable_prefix_caching=args.enable_prefix_caching, swap_space=args.swap_space,
-                preemption_mode=args.preemption_mode, device=args.device, num_threads=args.num_threads,
-                seed=args.seed, chat_template=args.chat_template, attention_backend=getattr(args, "attention_backend", "auto"))
+from pagedserve.engine.arg_utils import EngineArgs
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -61,7 +32,7 @@ def sampling_params(args: argparse.Namespace):
 def cmd_generate(args: argparse.Namespace) -> int:
     from pagedserve.llm import LLM
 
-    llm = LLM(args.model, **engine_kwargs(args))
+    llm = LLM(**dataclasses.asdict(EngineArgs.from_cli_args(args)))
     params = sampling_params(args)
     if args.command == "chat":
         outs = llm.chat([{"role": "user", "content": p} for p in args.prompts][:1], params, use_tqdm=False)
@@ -80,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, help_ in (("generate", "complete prompts offline"), ("chat", "answer one chat message")):
         p = sub.add_parser(name, help=help_)
         p.add_argument("prompts", nargs="+")
-        add_engine_args(p)
+        EngineArgs.add_cli_args(p)
         add_sampling_args(p)
         p.set_defaults(func=cmd_generate)
     try:
@@ -88,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     except ImportError:
         pass
     else:
-        add_serve_parser(sub, add_engine_args)
+        add_serve_parser(sub, EngineArgs.add_cli_args)
     try:
         from pagedserve.bench.cli import add_bench_parser
         from pagedserve.plan import add_plan_parser

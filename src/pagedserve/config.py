@@ -1,19 +1,44 @@
-"""Frozen engine configuration. Devices and dtypes come from here, never from globals."""
+"""Frozen engine configuration. Devices and dtypes come from here, never from globals.
+
+The defaults below are the engine's defaults; `EngineArgs` (engine/arg_utils.py) reads them from these
+dataclasses, so `LLM(...)`, `pagedserve generate/chat` and `pagedserve serve` share one set. Each dataclass
+checks its own fields; checks across fields live in `EngineArgs.create_engine_config` and, for the limits
+that need the loaded model and the sized KV pool, in `resolve_limits`.
+"""
 from __future__ import annotations
 
+import dataclasses
+import logging
 from dataclasses import dataclass, field
+
+logger = logging.getLogger(__name__)
+
+DTYPES = ("float32", "float16", "bfloat16")
+ATTENTION_BACKENDS = ("auto", "reference", "cpu")
+# The default per-step token budget; without chunked prefill a whole prompt must fit one step, so the default
+# grows to max_model_len there (as vLLM).
+CHUNKED_PREFILL_BATCHED_TOKENS = 512
 
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
     model: str | None = None          # GGUF file or HF directory; None = embedded SmolLM2
-    tokenizer: str | None = None      # defaults to the model's own
-    max_model_len: int | None = None  # defaults to the model's context length
+    tokenizer: str | None = None      # HF tokenizer directory; defaults to the model's own
+    max_model_len: int | None = None  # defaults to the model's context length, capped to the KV pool
     dtype: str = "float32"
     seed: int = 0
     chat_template: str | None = None  # path or template text overriding the model's
     # "auto": the compiled CPU paged-attention kernel on CPU when it builds, else "reference" (pure torch).
     attention_backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
+                             f"got {self.attention_backend!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +56,12 @@ class CacheConfig:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if not 0.0 < self.kv_cache_fraction <= 1.0:
             raise ValueError(f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
+            raise ValueError(f"kv_cache_memory_bytes must be >= 1, got {self.kv_cache_memory_bytes}")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
+            raise ValueError(f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}")
+        if self.swap_space_gib < 0:
+            raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space_gib}")
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
 
@@ -38,20 +69,35 @@ class CacheConfig:
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
+    # None until resolve_limits: CHUNKED_PREFILL_BATCHED_TOKENS, or max_model_len if larger and chunking is off.
+    max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+
+    def check_fits(self, max_model_len: int) -> None:
+        # Without chunking a prompt is prefilled in one step; a longer one would wait forever at the head of
+        # the queue and block everything behind it.
+        if (not self.enable_chunked_prefill and self.max_num_batched_tokens is not None
+                and self.max_num_batched_tokens < max_model_len):
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) is smaller than max_model_len "
+                             f"({max_model_len}) with chunked prefill off, so longer prompts could never be "
+                             "scheduled; increase max_num_batched_tokens, decrease max_model_len or enable "
+                             "chunked prefill")
 
 
 @dataclass(frozen=True, slots=True)
 class DeviceConfig:
     device: str = "auto"  # "auto" picks cuda when available, else cpu
     num_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
 
     def resolve(self) -> str:
         if self.device != "auto":
@@ -67,3 +113,37 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
+
+
+def resolve_limits(config: EngineConfig, model_max_len: int, num_blocks: int) -> EngineConfig:
+    """The config with max_model_len and max_num_batched_tokens set, once the model and the KV pool are known.
+
+    A max_model_len the user asked for must fit both the model and the pool, or the engine refuses to start;
+    the model's own context length is capped to the pool with a warning instead (as vLLM), so a request
+    without max_tokens (max_model_len - prompt tokens) always fits the pool.
+    """
+    pool_tokens = num_blocks * config.cache.block_size
+    max_len = config.model.max_model_len
+    if max_len is not None and max_len > model_max_len:
+        raise ValueError(f"max_model_len {max_len} exceeds the model's context length {model_max_len}")
+    if max_len is not None and max_len > pool_tokens:
+        raise ValueError(f"max_model_len {max_len} does not fit the KV cache, which holds {pool_tokens} tokens "
+                         f"({num_blocks} blocks of {config.cache.block_size}); decrease max_model_len to at most "
+                         f"{pool_tokens} or give the KV cache more memory (kv_cache_memory_bytes, "
+                         "kv_cache_fraction or num_gpu_blocks_override)")
+    if max_len is None:
+        max_len = model_max_len
+        if max_len > pool_tokens:
+            logger.warning("the model's context length %d does not fit the KV cache (%d tokens); capping "
+                           "max_model_len to %d. Give the KV cache more memory to serve longer contexts.",
+                           max_len, pool_tokens, pool_tokens)
+            max_len = pool_tokens
+    sched = config.scheduler
+    if sched.max_num_batched_tokens is None:
+        budget = CHUNKED_PREFILL_BATCHED_TOKENS
+        if not sched.enable_chunked_prefill:
+            budget = max(budget, max_len)
+        sched = dataclasses.replace(sched, max_num_batched_tokens=budget)
+    sched.check_fits(max_len)
+    return dataclasses.replace(config, model=dataclasses.replace(config.model, max_model_len=max_len),
+                               scheduler=sched)

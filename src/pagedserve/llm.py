@@ -7,7 +7,7 @@ from typing import Any, Sequence
 
 from tqdm.auto import tqdm
 
-from pagedserve.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
+from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.llm_engine import LLMEngine, RequestFailedError
 from pagedserve.engine.processor import PromptInput
 from pagedserve.outputs import RequestOutput
@@ -16,26 +16,10 @@ from pagedserve.sampling_params import BeamSearchParams, SamplingParams
 logger = logging.getLogger(__name__)
 
 
-def engine_config_from_kwargs(model: str | None = None, *, tokenizer: str | None = None,
-                              max_model_len: int | None = None, dtype: str = "float32", seed: int = 0,
-                              chat_template: str | None = None, block_size: int = 16,
-                              kv_cache_memory_bytes: int | None = None, kv_cache_fraction: float = 0.25,
-                              num_gpu_blocks_override: int | None = None, enable_prefix_caching: bool = True,
-                              swap_space: float = 0.0, preemption_mode: str = "recompute",
-                              max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
-                              enable_chunked_prefill: bool = True, device: str = "auto",
-                              num_threads: int | None = None, attention_backend: str = "auto") -> EngineConfig:
-    return EngineConfig(
-        model=ModelConfig(model, tokenizer, max_model_len, dtype, seed, chat_template, attention_backend),
-        cache=CacheConfig(block_size, kv_cache_memory_bytes, kv_cache_fraction, num_gpu_blocks_override,
-                          enable_prefix_caching, swap_space, preemption_mode),
-        scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill),
-        device=DeviceConfig(device, num_threads))
-
-
 class LLM:
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
-        self.llm_engine = LLMEngine(engine_config_from_kwargs(model, **kwargs))
+        # kwargs are EngineArgs fields; an unknown one is a TypeError naming it.
+        self.llm_engine = LLMEngine(EngineArgs(model=model, **kwargs).create_engine_config())
         self._thread_id = threading.get_ident()
         self._warned_thread = False
 

@@ -35,7 +35,8 @@ def test_bad_sampling_params(kwargs, match):
 
 def test_prompt_that_can_never_fit_the_pool_is_rejected():
     small = LLM(num_gpu_blocks_override=2, block_size=4)
-    with pytest.raises(ValueError, match="never fit"):
+    # max_model_len is capped to the pool's 8 tokens at start, so the context check refuses it first.
+    with pytest.raises(ValueError, match="never fit|maximum context length is 8 tokens"):
         small.generate("one two three four five six seven", SamplingParams(max_tokens=4), use_tqdm=False)
     assert not small.llm_engine.has_unfinished_requests()
 

@@ -16,7 +16,7 @@ import httpx
 # greedy comparisons is built with the same ones. One torch thread each: on a busy 2-core machine two
 # spinning OpenMP threads per process made generation up to 9x slower, and equal thread counts keep the
 # server's and the offline LLM's float reductions in the same order.
-KV_BYTES = 64 << 20
+KV_BYTES = 96 << 20  # 2176 tokens: an explicit max_model_len must fit the pool
 MAX_MODEL_LEN = 2048
 MAX_NUM_SEQS = 64
 NUM_THREADS = 1

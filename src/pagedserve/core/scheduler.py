@@ -47,6 +47,11 @@ class Scheduler:
         if need > self.capacity_tokens:
             raise ValueError(f"prompt ({num_prompt_tokens} tokens) plus max_tokens ({max_tokens}) "
                              f"can never fit in the KV cache ({self.capacity_tokens} tokens)")
+        budget = self.config.max_num_batched_tokens
+        if not self.config.enable_chunked_prefill and num_prompt_tokens > budget:
+            # Unchunked, it would wait at the head of the queue forever and block every request behind it.
+            raise ValueError(f"the prompt ({num_prompt_tokens} tokens) can never be scheduled: without chunked "
+                             f"prefill it must fit one step's budget, max_num_batched_tokens={budget}")
 
     def add_request(self, req: Request, fork_of: Request | None = None) -> None:
         if req.req_id in self.requests:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagedserve.config import EngineConfig
+from pagedserve.config import EngineConfig, resolve_limits
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.request import Request, RequestStatus
 from pagedserve.core.scheduler import Scheduler
@@ -86,20 +86,19 @@ class EngineCore:
             torch.set_num_threads(config.device.num_threads)
         dtype = getattr(torch, config.model.dtype)
         t0 = time.perf_counter()
-        loaded = load_model(config.model.model, device, dtype, config.model.attention_backend)
+        loaded = load_model(config.model.model, device, dtype, config.model.attention_backend,
+                            config.model.tokenizer)
         # The core never reads text; the front-end takes the loaded tokenizer and template from here.
         self.loaded = loaded
         self.model_name = loaded.model_name
         self.hf_config = hf = loaded.hf_config
-        max_len = config.model.max_model_len or loaded.max_model_len
-        if max_len > loaded.max_model_len:
-            raise ValueError(f"max_model_len {max_len} exceeds the model's context length "
-                             f"{loaded.max_model_len}")
-        self.max_model_len = max_len
         num_kv_heads = hf.num_key_value_heads
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         bs = config.cache.block_size
         num_blocks = plan_num_blocks(config.cache, hf.num_hidden_layers, num_kv_heads, head_dim, dtype, device)
+        # max_model_len and the token budget are final only now: checked against the model and the pool.
+        config = self.config = resolve_limits(config, loaded.max_model_len, num_blocks)
+        max_len = self.max_model_len = config.model.max_model_len
         kv_caches = allocate_kv_caches(hf.num_hidden_layers, num_blocks, bs, num_kv_heads, head_dim, dtype,
                                        device)
         per_block = kv_bytes_per_block(hf.num_hidden_layers, bs, num_kv_heads, head_dim, dtype)

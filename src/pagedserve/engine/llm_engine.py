@@ -24,8 +24,8 @@ class RequestFailedError(RuntimeError):
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
-        self.config = config
         self.core = EngineCore(config)
+        self.config = config = self.core.config  # with the limits resolved against the model and the pool
         loaded = self.core.loaded
         self.model_name = self.core.model_name
         self.hf_config = self.core.hf_config

@@ -18,6 +18,8 @@ import threading
 
 import torch
 
+from pagedserve import envs
+
 logger = logging.getLogger(__name__)
 
 _SOURCES = [os.path.join(os.path.dirname(__file__), "csrc", name)
@@ -45,8 +47,6 @@ def _cpu_flags() -> str:
 
 
 def _build_dir() -> str:
-    from pagedserve.model.loader import cache_root
-
     # One build per torch install (it links that install's libraries) and CPU (-march=native).
     h = hashlib.sha256(f"{torch.__version__}|{torch.__file__}|{sys.version}|{_cpu_flags()}|{_CFLAGS}|{_LDFLAGS}"
                        .encode())
@@ -55,7 +55,7 @@ def _build_dir() -> str:
         with open(os.path.join(csrc, name), "rb") as f:
             h.update(f.read())
     key = h.hexdigest()[:16]
-    return os.path.join(cache_root(), "kernels", key)
+    return os.path.join(envs.cache_dir(), "kernels", key)
 
 
 def load():
@@ -71,7 +71,7 @@ def load():
 def fast_paths_enabled() -> bool:
     # PAGEDSERVE_KERNELS=0 turns off every CPU fast path (these kernels and the oneDNN-packed linears),
     # leaving plain torch ops: the A/B baseline in benchmarks/profile_step.py, and a debugging escape hatch.
-    return os.environ.get("PAGEDSERVE_KERNELS", "1") != "0"
+    return envs.kernels_enabled()
 
 
 def _load_uncached():

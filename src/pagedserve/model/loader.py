@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from pagedserve import envs
 from pagedserve.attention.backend import get_attention_backend
 from pagedserve.model.registry import get_model_class, resolve_architecture
 
@@ -73,15 +74,22 @@ def default_model_path() -> str:
 
 
 def load_model(path: str | None = None, device: str | torch.device = "cpu",
-               dtype: torch.dtype | str = torch.float32, attn_backend: str = "reference") -> LoadedModel:
+               dtype: torch.dtype | str = torch.float32, attn_backend: str = "reference",
+               tokenizer: str | None = None) -> LoadedModel:
+    # tokenizer: a Hugging Face tokenizer directory used instead of the model's own tokenizer.
     path = default_model_path() if path is None else os.path.abspath(os.path.expanduser(str(path)))
     device, dtype = torch.device(device), _as_dtype(dtype)
     if not os.path.exists(path):
         raise ValueError(f"model path does not exist: {path}")
+    if tokenizer is not None:
+        tokenizer = os.path.abspath(os.path.expanduser(tokenizer))
+        if not os.path.isdir(tokenizer):
+            raise ValueError(f"tokenizer path is not a directory: {tokenizer} (expected a Hugging Face "
+                             "tokenizer directory with tokenizer.json)")
     if os.path.isdir(path):
         if not os.path.isfile(os.path.join(path, "config.json")):
             raise ValueError(f"{path} is a directory without config.json; expected a Hugging Face model directory")
-        return _load_hf_dir(path, os.path.basename(path.rstrip(os.sep)), device, dtype, attn_backend)
+        return _load_hf_dir(path, os.path.basename(path.rstrip(os.sep)), device, dtype, attn_backend, tokenizer)
     with open(path, "rb") as f:
         if f.read(4) != GGUF_MAGIC:
             raise ValueError(f"{path} is not a GGUF file (bad magic bytes) and not a model directory")
@@ -89,7 +97,7 @@ def load_model(path: str | None = None, device: str | torch.device = "cpu",
     cache_dir = _cache_dir_for(path, name)
     if not _is_complete(cache_dir):
         _convert_gguf(path, cache_dir)
-    return _load_hf_dir(cache_dir, name, device, dtype, attn_backend)
+    return _load_hf_dir(cache_dir, name, device, dtype, attn_backend, tokenizer)
 
 
 def _as_dtype(dtype: torch.dtype | str) -> torch.dtype:
@@ -101,15 +109,11 @@ def _as_dtype(dtype: torch.dtype | str) -> torch.dtype:
     return resolved
 
 
-def cache_root() -> str:
-    return os.environ.get("PAGEDSERVE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "pagedserve")
-
-
 def _cache_dir_for(path: str, name: str) -> str:
     # Size and mtime in the key: replacing the file in place invalidates the conversion.
     st = os.stat(path)
     key = hashlib.sha256(f"{path}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    return os.path.join(cache_root(), f"{name}-{key}")
+    return os.path.join(envs.cache_dir(), f"{name}-{key}")
 
 
 def _is_complete(cache_dir: str) -> bool:
@@ -119,7 +123,7 @@ def _is_complete(cache_dir: str) -> bool:
 # ---------------------------------------------------------------- Hugging Face directory (also the GGUF cache)
 
 def _load_hf_dir(path: str, model_name: str, device: torch.device, dtype: torch.dtype,
-                 attn_backend: str) -> LoadedModel:
+                 attn_backend: str, tokenizer_path: str | None = None) -> LoadedModel:
     from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerFast
 
     try:
@@ -130,12 +134,19 @@ def _load_hf_dir(path: str, model_name: str, device: torch.device, dtype: torch.
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise ValueError(f"no *.safetensors weights in {path}")
+    own_tokenizer = tokenizer_path is None
+    tokenizer_path = tokenizer_path or path
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
     except Exception as e:  # noqa: BLE001
-        raise ValueError(f"cannot load a tokenizer from {path}: {e}") from e
+        raise ValueError(f"cannot load a tokenizer from {tokenizer_path}: {e}") from e
     if not isinstance(tokenizer, PreTrainedTokenizerFast):
-        raise ValueError(f"{path}: only fast (tokenizer.json) tokenizers are supported, got {type(tokenizer)}")
+        raise ValueError(f"{tokenizer_path}: only fast (tokenizer.json) tokenizers are supported, "
+                         f"got {type(tokenizer)}")
+    if not own_tokenizer and len(tokenizer) > hf_config.vocab_size:
+        # Token ids past the embedding table would fail inside a batched step, taking other requests with it.
+        raise ValueError(f"the tokenizer in {tokenizer_path} has {len(tokenizer)} tokens, more than the model's "
+                         f"vocabulary of {hf_config.vocab_size}")
 
     model = model_cls(hf_config, get_attention_backend(attn_backend, device), device=device, dtype=dtype)
     model.load_weights(_iter_safetensors(files))

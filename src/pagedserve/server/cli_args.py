@@ -63,8 +63,6 @@ def _raise_shutdown(signum: int, _frame) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from pagedserve.cli import engine_kwargs
-
     # Until uvicorn installs its own handlers (and after it restores these and re-raises the signal it
     # caught), SIGTERM behaves like Ctrl-C: unwind, stop the engine thread, exit 0.
     signal.signal(signal.SIGTERM, _raise_shutdown)
@@ -72,11 +70,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine = None
     exit_code = 0
     try:
+        from pagedserve.engine.arg_utils import EngineArgs
         from pagedserve.engine.async_engine import AsyncLLMEngine
-        from pagedserve.llm import engine_config_from_kwargs
         from pagedserve.server.app import run_server
 
-        config = engine_config_from_kwargs(args.model, **engine_kwargs(args))
+        config = EngineArgs.from_cli_args(args).create_engine_config()
         engine = AsyncLLMEngine.from_config(config)
         name = (args.served_model_name or [args.model or engine.model_name])[0]
         logger.info("model: %s (served as %r, max_model_len %d)", args.model or engine.model_name, name,

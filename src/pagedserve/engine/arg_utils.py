@@ -1,0 +1,101 @@
+"""EngineArgs, as vLLM's: every engine option under its vLLM name, its CLI flag, and the cross-field checks.
+
+`LLM(model, **kwargs)`, `pagedserve generate/chat` and `pagedserve serve` all build their EngineConfig here.
+The default values are the config dataclasses' own (config.py), read through `_default`, so each is written once.
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import MISSING, dataclass, fields
+from typing import Any
+
+from pagedserve.config import (ATTENTION_BACKENDS, CHUNKED_PREFILL_BATCHED_TOKENS, DTYPES, CacheConfig,
+                               DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig)
+
+
+def _default(cls: type, name: str) -> Any:
+    # Slotted dataclasses hide class-level defaults, so read them from the field table.
+    value = cls.__dataclass_fields__[name].default
+    assert value is not MISSING, f"{cls.__name__}.{name} has no default"
+    return value
+
+
+@dataclass(slots=True)
+class EngineArgs:
+    model: str | None = _default(ModelConfig, "model")
+    tokenizer: str | None = _default(ModelConfig, "tokenizer")
+    max_model_len: int | None = _default(ModelConfig, "max_model_len")
+    dtype: str = _default(ModelConfig, "dtype")
+    seed: int = _default(ModelConfig, "seed")
+    chat_template: str | None = _default(ModelConfig, "chat_template")
+    attention_backend: str = _default(ModelConfig, "attention_backend")
+    block_size: int = _default(CacheConfig, "block_size")
+    kv_cache_memory_bytes: int | None = _default(CacheConfig, "kv_cache_memory_bytes")
+    kv_cache_fraction: float = _default(CacheConfig, "kv_cache_fraction")
+    num_gpu_blocks_override: int | None = _default(CacheConfig, "num_gpu_blocks_override")
+    enable_prefix_caching: bool = _default(CacheConfig, "enable_prefix_caching")
+    swap_space: float = _default(CacheConfig, "swap_space_gib")  # GiB, as vLLM's swap_space
+    preemption_mode: str = _default(CacheConfig, "preemption_mode")
+    max_num_seqs: int = _default(SchedulerConfig, "max_num_seqs")
+    max_num_batched_tokens: int | None = _default(SchedulerConfig, "max_num_batched_tokens")
+    enable_chunked_prefill: bool = _default(SchedulerConfig, "enable_chunked_prefill")
+    device: str = _default(DeviceConfig, "device")
+    num_threads: int | None = _default(DeviceConfig, "num_threads")
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        d = EngineArgs()
+        g = parser.add_argument_group("engine")
+        g.add_argument("--model", default=d.model,
+                       help="GGUF file or Hugging Face directory (default: the embedded SmolLM2)")
+        g.add_argument("--tokenizer", default=d.tokenizer, metavar="DIR",
+                       help="Hugging Face tokenizer directory (default: the model's own)")
+        g.add_argument("--max-model-len", type=int, default=d.max_model_len,
+                       help="context length, prompt + output (default: the model's, capped to the KV cache)")
+        g.add_argument("--dtype", choices=DTYPES, default=d.dtype)
+        g.add_argument("--seed", type=int, default=d.seed, help="engine seed for unseeded sampling")
+        g.add_argument("--chat-template", default=d.chat_template, metavar="FILE",
+                       help="Jinja chat template (file or text) overriding the model's")
+        g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=d.attention_backend,
+                       help="auto: the compiled CPU kernel on CPU when it builds, else the pure-torch reference")
+        g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
+        mem = g.add_mutually_exclusive_group()
+        mem.add_argument("--kv-cache-memory", "--kv-cache-memory-bytes", dest="kv_cache_memory_bytes", type=int,
+                         default=d.kv_cache_memory_bytes, metavar="BYTES", help="explicit KV cache budget")
+        mem.add_argument("--kv-cache-fraction", type=float, default=d.kv_cache_fraction, metavar="F",
+                         help="KV cache budget as a fraction of free memory, when no explicit budget")
+        g.add_argument("--num-gpu-blocks-override", type=int, default=d.num_gpu_blocks_override,
+                       help="exact number of KV blocks, ignoring the memory budget")
+        g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                       default=d.enable_prefix_caching)
+        g.add_argument("--swap-space", type=float, default=d.swap_space, metavar="GiB",
+                       help="host memory for swapped-out KV blocks (preemption mode 'swap')")
+        g.add_argument("--preemption-mode", choices=["recompute", "swap"], default=d.preemption_mode)
+        g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="requests per step")
+        g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
+                       help=f"tokens per step (default: {CHUNKED_PREFILL_BATCHED_TOKENS}, or max_model_len "
+                            "if larger and chunked prefill is off)")
+        g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+                       default=d.enable_chunked_prefill)
+        g.add_argument("--device", default=d.device, help="auto, cpu, cuda or cuda:N")
+        g.add_argument("--num-threads", type=int, default=d.num_threads, help="torch CPU threads")
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
+
+    def create_engine_config(self) -> EngineConfig:
+        # Each config checks its own fields; what spans fields and is known before the model loads is checked
+        # here, and config.resolve_limits finishes once the model's context and the KV pool are known.
+        scheduler = SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.enable_chunked_prefill)
+        if self.max_model_len is not None:
+            scheduler.check_fits(self.max_model_len)
+        return EngineConfig(
+            model=ModelConfig(self.model, self.tokenizer, self.max_model_len, self.dtype, self.seed,
+                              self.chat_template, self.attention_backend),
+            cache=CacheConfig(self.block_size, self.kv_cache_memory_bytes, self.kv_cache_fraction,
+                              self.num_gpu_blocks_override, self.enable_prefix_caching, self.swap_space,
+                              self.preemption_mode),
+            scheduler=scheduler,
+            device=DeviceConfig(self.device, self.num_threads))
