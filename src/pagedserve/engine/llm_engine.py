@@ -89,7 +89,8 @@ class LLMEngine:
             raise ValueError("preemption_mode='swap' needs swap_space > 0 (GiB of host memory)")
         self.kv = KVCacheManager(num_blocks, bs, config.cache.enable_prefix_caching, num_host_blocks)
         self.scheduler = Scheduler(config.scheduler, self.kv, max_len, config.cache.preemption_mode)
-        self.runner = ModelRunner(loaded.model, kv_caches, bs, hf.vocab_size, device)
+        self.runner = ModelRunner(loaded.model, kv_caches, bs, hf.vocab_size, device,
+                                  config.scheduler.max_num_seqs, max_len, config.model.seed)
         if num_host_blocks:
             self.runner.host_caches = allocate_host_caches(hf.num_hidden_layers, num_host_blocks, bs,
                                                            num_kv_heads, head_dim, dtype, device)
@@ -182,9 +183,9 @@ class LLMEngine:
                 req.stop_reason = stop
             group = self.groups[seq.group_id]
             touched[group.request_id] = group
-        for s in plan.scheduled:
-            if s.request.scheduled_time is None:
-                s.request.scheduled_time = now
+        for new_req in plan.scheduled_new_reqs:
+            if (seq := self.seqs.get(new_req.req_id)) is not None and seq.request.scheduled_time is None:
+                seq.request.scheduled_time = now
         self.stats.record_step(plan, self.scheduler.stats(), time.perf_counter() - t0)
         outputs = []
         for group in touched.values():
