@@ -12,6 +12,7 @@ with the whole new block table. The runner gathers a step's inputs from the rows
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -29,6 +30,7 @@ class CachedRequestState:
     eos_token_ids: list[int]
     generator: torch.Generator | None  # a seeded request's own stream; None draws from the runner's
     row: int | None = None             # None while preempted
+    num_blocks: int = 0                # of its block table the row holds
 
     @property
     def num_tokens(self) -> int:
@@ -40,7 +42,8 @@ class InputBatch:
         self.requests: dict[str, CachedRequestState] = {}
         max_num_reqs = max(max_num_reqs, 1)
         max_blocks = -(-max_model_len // block_size)
-        self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
+        # int32 as in vLLM: this array is max_num_seqs x max_model_len (256 x 128k would be 128 MiB).
+        self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int32)
         self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         # Padded with block 0 past num_blocks; attention never reads past a sequence's length.
@@ -54,7 +57,7 @@ class InputBatch:
             raise KeyError(f"request {req_id!r} is preempted and holds no batch row")
         return row
 
-    def apply(self, plan: SchedulerOutput, make_generator) -> None:
+    def apply(self, plan: SchedulerOutput, make_generator: Callable[[int], torch.Generator]) -> None:
         for req_id in plan.finished_req_ids:
             state = self.requests.pop(req_id, None)
             if state is not None:
@@ -65,7 +68,7 @@ class InputBatch:
             self._add(new, make_generator)
         self._update(plan.scheduled_cached_reqs)
 
-    def _add(self, new: NewRequestData, make_generator) -> None:
+    def _add(self, new: NewRequestData, make_generator: Callable[[int], torch.Generator]) -> None:
         p = new.sampling_params
         state = CachedRequestState(new.req_id, new.prompt_token_ids, [], p, list(new.eos_token_ids),
                                    None if p.seed is None else make_generator(p.seed))
@@ -76,33 +79,51 @@ class InputBatch:
         self.token_ids[row, :n] = new.prompt_token_ids
         self.num_tokens[row] = n
         self.num_computed_tokens[row] = new.num_computed_tokens
-        self._set_blocks(row, 0, new.block_ids)
+        m = len(new.block_ids)
+        self.block_table[row, :m] = new.block_ids
+        self.num_blocks[row] = state.num_blocks = m
 
     def _update(self, cached: CachedRequestData) -> None:
+        # Python touches each request once; the array writes are gathered into one numpy call per array
+        # (a decode step appends one token to each row).
+        rows: list[int] = []
+        states: list[CachedRequestState] = []
+        tok_rows: list[int] = []
+        tok_cols: list[int] = []
+        tok_ids: list[int] = []
+        blk_rows: list[int] = []
+        blk_cols: list[int] = []
+        blk_ids: list[int] = []
         for i, req_id in enumerate(cached.req_ids):
             state = self.requests[req_id]
-            new_tokens = cached.new_token_ids[i]
-            state.output_token_ids.extend(new_tokens)
+            first_token = state.num_tokens
+            state.output_token_ids.extend(cached.new_token_ids[i])
             if cached.resumed_from_preemption[i]:
+                # The row was freed on preemption: write the whole request again.
                 row = self._take_row(state)
-                self._ensure_columns(state.num_tokens, 0)
-                self.token_ids[row, :len(state.prompt_token_ids)] = state.prompt_token_ids
-                self.token_ids[row, len(state.prompt_token_ids):state.num_tokens] = state.output_token_ids
-                first_block = 0
+                first_token = state.num_blocks = 0
+                tokens = state.prompt_token_ids + state.output_token_ids
             else:
-                row = self.row_of(req_id)
-                self._ensure_columns(state.num_tokens, 0)
-                self.token_ids[row, state.num_tokens - len(new_tokens):state.num_tokens] = new_tokens
-                first_block = int(self.num_blocks[row])
-            self.num_tokens[row] = state.num_tokens
-            self.num_computed_tokens[row] = cached.num_computed_tokens[i]
-            self._set_blocks(row, first_block, cached.new_block_ids[i])
-
-    def _set_blocks(self, row: int, start: int, block_ids: list[int]) -> None:
-        end = start + len(block_ids)
-        self._ensure_columns(0, end)
-        self.block_table[row, start:end] = block_ids
-        self.num_blocks[row] = end
+                row = state.row
+                tokens = cached.new_token_ids[i]
+            blocks = cached.new_block_ids[i]
+            tok_rows += [row] * len(tokens)
+            tok_cols += range(first_token, first_token + len(tokens))
+            tok_ids += tokens
+            blk_rows += [row] * len(blocks)
+            blk_cols += range(state.num_blocks, state.num_blocks + len(blocks))
+            blk_ids += blocks
+            state.num_blocks += len(blocks)
+            rows.append(row)
+            states.append(state)
+        if not rows:
+            return
+        self._ensure_columns(max(tok_cols, default=0) + 1, max(blk_cols, default=0) + 1)
+        self.token_ids[tok_rows, tok_cols] = tok_ids
+        self.block_table[blk_rows, blk_cols] = blk_ids
+        self.num_tokens[rows] = [st.num_tokens for st in states]
+        self.num_blocks[rows] = [st.num_blocks for st in states]
+        self.num_computed_tokens[rows] = cached.num_computed_tokens
 
     def _take_row(self, state: CachedRequestState) -> int:
         if not self.free_rows:

@@ -70,7 +70,7 @@ class ModelRunner:
         else:
             seq_idx = np.repeat(np.arange(num_seqs), query_lens)
             positions = np.arange(qsl[-1], dtype=np.int64) - qsl[seq_idx] + starts[seq_idx]
-        input_ids = batch.token_ids[rows[seq_idx], positions]
+        input_ids = batch.token_ids[rows[seq_idx], positions].astype(np.int64)
         slots = tables[seq_idx, positions // bs] * bs + positions % bs
         dev = self.device
         as_tensor = lambda a: torch.from_numpy(a).to(dev)  # noqa: E731  (no copy on CPU)
