@@ -44,7 +44,7 @@ class KVWasteSampler:
 
     def _sampled_schedule(self):
         plan = self._schedule()
-        scheduled = {s.request.req_id: len(s.token_ids) for s in plan.scheduled}
+        scheduled = plan.num_scheduled_tokens
         kv, alloc, used = self.engine.kv, dict.fromkeys(self.SYSTEMS, 0), 0
         for req in self.engine.scheduler.running:
             alloc["paged"] += len(kv.req_blocks.get(req.req_id, ())) * kv.block_size

@@ -8,9 +8,8 @@ from hypothesis import strategies as st
 from pagedserve.config import SchedulerConfig
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.scheduler import Scheduler
-from pagedserve.core.scheduler_output import ModelRunnerOutput
 from pagedserve.core.request import RequestStatus
-from tests.core.helpers import make_request
+from tests.core.helpers import WorkerMirror, fake_run, make_request
 
 
 def make_scheduler(num_blocks=16, block_size=4, max_num_seqs=8, budget=32, caching=True, max_model_len=1000):
@@ -18,28 +17,37 @@ def make_scheduler(num_blocks=16, block_size=4, max_num_seqs=8, budget=32, cachi
     return Scheduler(SchedulerConfig(max_num_seqs, budget), kv, max_model_len)
 
 
-def fake_run(plan, token=7):
-    ids = [s.request.req_id for s in plan.scheduled if s.sample]
-    return ModelRunnerOutput(ids, [token] * len(ids))
-
-
 def test_chunked_prefill_then_decode_with_exact_plans():
     sched = make_scheduler(budget=8)
     sched.add_request(make_request("a", prompt_len=10, max_tokens=2))
     sched.add_request(make_request("b", prompt_len=3, max_tokens=2))
-    p1 = sched.schedule()
-    assert [(s.request.req_id, len(s.token_ids), s.start_pos, s.block_ids, s.sample) for s in p1.scheduled] == \
+    worker = WorkerMirror(sched)
+    p1, s1 = worker.schedule()
+    assert [(s.req_id, len(s.token_ids), s.start_pos, s.block_ids, s.sample) for s in s1] == \
         [("a", 8, 0, [0, 1], False)]
-    sched.update(p1, fake_run(p1))
-    p2 = sched.schedule()
-    assert [(s.request.req_id, len(s.token_ids), s.start_pos, s.block_ids, s.sample) for s in p2.scheduled] == \
+    assert [(r.req_id, r.block_ids, r.num_computed_tokens) for r in p1.scheduled_new_reqs] == [("a", [0, 1], 0)]
+    sched.update(p1, fake_run(s1))
+    p2, s2 = worker.schedule()
+    assert [(s.req_id, len(s.token_ids), s.start_pos, s.block_ids, s.sample) for s in s2] == \
         [("a", 2, 8, [0, 1, 2], True), ("b", 3, 0, [3], True)]
-    sched.update(p2, fake_run(p2))
-    p3 = sched.schedule()
-    assert [(s.request.req_id, s.token_ids, s.start_pos) for s in p3.scheduled] == [("a", [7], 10), ("b", [7], 3)]
-    finished = sched.update(p3, fake_run(p3))
+    # a is known to the worker: only its new block travels; b is new.
+    c = p2.scheduled_cached_reqs
+    assert (c.req_ids, c.new_token_ids, c.new_block_ids, c.num_computed_tokens) == (["a"], [[]], [[2]], [8])
+    assert [r.req_id for r in p2.scheduled_new_reqs] == ["b"]
+    assert p2.num_scheduled_tokens == {"a": 2, "b": 3} and p2.total_num_scheduled_tokens == 5
+    sched.update(p2, fake_run(s2))
+    p3, s3 = worker.schedule()
+    assert [(s.req_id, s.token_ids, s.start_pos) for s in s3] == [("a", [7], 10), ("b", [7], 3)]
+    # Each sampled token reaches the worker once, in the next plan; no block is new.
+    c = p3.scheduled_cached_reqs
+    assert (c.new_token_ids, c.new_block_ids, c.resumed_from_preemption) == ([[7], [7]], [[], []], [False, False])
+    finished = sched.update(p3, fake_run(s3))
     assert all(r.status is RequestStatus.FINISHED_LENGTH for r in finished)
     assert not sched.has_unfinished() and sched.kv.pool.num_free_blocks == 16
+    # The finished ids still reach the worker: a plan with nothing scheduled is not empty.
+    p4, _ = worker.schedule()
+    assert p4.finished_req_ids == ["a", "b"] and not p4.num_scheduled_tokens and not p4.is_empty
+    assert not worker.tokens and sched.schedule().is_empty
 
 
 def test_preempts_newest_by_recompute_and_resumes():
@@ -47,17 +55,24 @@ def test_preempts_newest_by_recompute_and_resumes():
     a, b = make_request("a", 8, max_tokens=6), make_request("b", 8, max_tokens=6)
     sched.add_request(a)
     sched.add_request(b)
-    plan = sched.schedule()
-    assert [s.block_ids for s in plan.scheduled] == [[0, 1], [2, 3]]
-    sched.update(plan, fake_run(plan))      # 8 tokens computed, 9th (sampled) needs a new block
-    plan = sched.schedule()                  # a needs a 3rd block: b is preempted
+    worker = WorkerMirror(sched)
+    _, scheduled = worker.step()             # 8 tokens computed, 9th (sampled) needs a new block
+    assert [s.block_ids for s in scheduled] == [[0, 1], [2, 3]]
+    plan, scheduled = worker.step()          # a needs a 3rd block: b is preempted
     assert plan.preempted_req_ids == ["b"]
-    assert [(s.request.req_id, s.block_ids) for s in plan.scheduled] == [("a", [0, 1, 3])]
+    assert [(s.req_id, s.block_ids) for s in scheduled] == [("a", [0, 1, 3])]
     assert b.status is RequestStatus.PREEMPTED and b.num_computed_tokens == 0 and b.output_token_ids == [7]
     assert list(sched.waiting) == [b]
+    resumed = False
     while sched.has_unfinished():
-        plan = sched.schedule()
-        sched.update(plan, fake_run(plan))
+        plan, _ = worker.step()
+        c = plan.scheduled_cached_reqs
+        if "b" in c.req_ids and c.resumed_from_preemption[c.req_ids.index("b")]:
+            # The whole new table and the token sampled before the preemption, recomputed from 0.
+            i = c.req_ids.index("b")
+            assert (c.new_token_ids[i], c.num_computed_tokens[i], len(c.new_block_ids[i])) == ([7], 0, 3)
+            resumed = True
+    assert resumed
     assert a.output_token_ids == [7] * 6 and b.output_token_ids == [7] * 6
     assert sched.num_preemptions_total >= 1 and sched.kv.pool.num_free_blocks == 4
 
@@ -71,13 +86,13 @@ def test_request_that_can_never_fit_is_rejected():
 def test_prefix_hits_skip_computed_tokens():
     sched = make_scheduler(block_size=4, budget=64)
     sched.add_request(make_request("a", prompt_len=9, max_tokens=1))
-    plan = sched.schedule()
-    sched.update(plan, fake_run(plan))
+    worker = WorkerMirror(sched)
+    worker.step()
     sched.add_request(make_request("b", prompt_len=9, max_tokens=1))
-    plan = sched.schedule()
-    [s] = plan.scheduled
+    plan, [s] = worker.schedule()
     assert (s.start_pos, len(s.token_ids), s.block_ids[:2]) == (8, 1, [0, 1])
-    assert s.request.num_cached_tokens == 8
+    assert plan.scheduled_new_reqs[0].num_computed_tokens == 8 and plan.num_scheduled_prompt_tokens == 1
+    assert sched.requests["b"].num_cached_tokens == 8
 
 
 def check_invariants(sched):
@@ -93,6 +108,7 @@ def check_invariants(sched):
 
 
 def drive(sched, rng, reqs, abort_prob):
+    worker = WorkerMirror(sched)
     pending = list(reqs)
     while pending or sched.has_unfinished():
         for _ in range(rng.randint(0, 4)):
@@ -100,13 +116,14 @@ def drive(sched, rng, reqs, abort_prob):
                 sched.add_request(pending.pop())
         if sched.requests and rng.random() < abort_prob:
             sched.finish_request(rng.choice(list(sched.requests)), RequestStatus.FINISHED_ABORTED)
-        plan = sched.schedule()
-        assert plan.num_batched_tokens <= sched.config.max_num_batched_tokens
+        plan, _ = worker.step(token=rng.randint(3, 50))
+        assert plan.total_num_scheduled_tokens <= sched.config.max_num_batched_tokens
         assert len(sched.running) <= sched.config.max_num_seqs
-        sched.update(plan, fake_run(plan, token=rng.randint(3, 50)))
         check_invariants(sched)
     assert sched.kv.pool.num_free_blocks == sched.kv.num_blocks
     assert not sched.kv.req_blocks
+    worker.schedule()                  # the last finished ids: the worker then holds nothing
+    assert not worker.tokens
 
 
 def test_thousand_random_requests_return_every_block():

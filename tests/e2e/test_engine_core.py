@@ -22,15 +22,15 @@ def run_all(engine, ids):
 def test_a_row_that_raises_inside_a_step_fails_only_its_request(llm, monkeypatch):
     engine = llm.llm_engine
     expected = {i: o.outputs[0].token_ids for i, o in enumerate(llm.generate(PROMPTS, GREEDY, use_tqdm=False))}
-    execute = engine.runner.execute
+    execute_model = engine.runner.execute_model
 
-    def poisoned_execute(plan):
+    def poisoned(num_scheduled_tokens):
         # Any step that includes the poisoned request fails, as a bad row inside the batch would.
-        if any(s.request.req_id == "bad" for s in plan.scheduled):
+        if "bad" in num_scheduled_tokens:
             raise RuntimeError("row exploded")
-        return execute(plan)
+        return execute_model(num_scheduled_tokens)
 
-    monkeypatch.setattr(engine.runner, "execute", poisoned_execute)
+    monkeypatch.setattr(engine.runner, "execute_model", poisoned)
     for i, p in enumerate(PROMPTS):
         engine.add_request(str(i), p, GREEDY)
         if i == 1:
@@ -43,14 +43,15 @@ def test_a_row_that_raises_inside_a_step_fails_only_its_request(llm, monkeypatch
 
 
 def test_offline_generate_raises_for_a_failed_request(llm, monkeypatch):
-    execute = llm.llm_engine.runner.execute
+    runner = llm.llm_engine.runner
+    execute_model = runner.execute_model
 
-    def failing(plan):
-        if any(s.request.params.max_tokens == 3 for s in plan.scheduled):
+    def failing(num_scheduled_tokens):
+        if any(runner.input_batch.requests[r].params.max_tokens == 3 for r in num_scheduled_tokens):
             raise RuntimeError("row exploded")
-        return execute(plan)
+        return execute_model(num_scheduled_tokens)
 
-    monkeypatch.setattr(llm.llm_engine.runner, "execute", failing)
+    monkeypatch.setattr(runner, "execute_model", failing)
     with pytest.raises(RequestFailedError, match="row exploded"):
         llm.generate(["Hello"], SamplingParams(max_tokens=3), use_tqdm=False)
     monkeypatch.undo()
@@ -77,7 +78,7 @@ def test_an_empty_plan_still_reaches_the_runner(llm):
     engine = llm.llm_engine
     engine.add_request("seeded", "Hello", SamplingParams(max_tokens=50, temperature=1.0, seed=7))
     engine.step()
-    assert "seeded" in engine.runner.generators
+    assert "seeded" in engine.runner.input_batch.requests
     engine.abort_request("seeded")
     assert engine.step() == []
-    assert "seeded" not in engine.runner.generators
+    assert "seeded" not in engine.runner.input_batch.requests

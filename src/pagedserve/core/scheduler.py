@@ -7,17 +7,39 @@ pool, by swapping its blocks out and back in. Either way it goes back to the fro
 
 Parallel samples of one prompt are forks: the first sample prefills the prompt; the others wait until it
 has, then share its blocks (the last, partly filled one copy-on-write) and compute only the last token.
+
+Plans describe requests to the worker by difference (vLLM V1): a request's first plan sends it whole
+(NewRequestData), later plans send only the tokens appended and the blocks allocated since (CachedRequestData).
 """
 from __future__ import annotations
 
 import time
 from collections import deque
+from dataclasses import dataclass
 
 from pagedserve.config import SchedulerConfig
 from pagedserve.core.kv_cache_manager import KVCacheManager
-from pagedserve.core.scheduler_output import (ModelRunnerOutput, ScheduledRequest, SchedulerOutput,
-                                              SchedulerStats)
 from pagedserve.core.request import Request, RequestStatus
+from pagedserve.core.scheduler_output import (CachedRequestData, ModelRunnerOutput, NewRequestData,
+                                              SchedulerOutput, SchedulerStats)
+
+
+@dataclass(slots=True)
+class _WorkerView:
+    # How much of a request the worker holds: its first num_tokens tokens and first num_blocks block ids
+    # (0 after a preemption, when the worker drops the table: the next plan sends it whole).
+    num_tokens: int
+    num_blocks: int
+
+
+class _PlanBuilder:
+    # Collects one step's plan; each scheduled request is added once, in batch order.
+    def __init__(self) -> None:
+        self.new_reqs: list[NewRequestData] = []
+        self.cached = CachedRequestData()
+        self.num_scheduled_tokens: dict[str, int] = {}
+        self.num_prompt_tokens = 0
+        self.num_sampling_reqs = 0
 
 
 class Scheduler:
@@ -36,6 +58,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions_total = 0
         self._finished_since_plan: list[str] = []
+        # Requests the worker holds state for (scheduled at least once, not yet reported finished).
+        self._worker_views: dict[str, _WorkerView] = {}
 
     @property
     def capacity_tokens(self) -> int:
@@ -74,7 +98,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
-        scheduled: list[ScheduledRequest] = []
+        plan = _PlanBuilder()
         preempted: list[str] = []
 
         i = 0
@@ -89,7 +113,7 @@ class Scheduler:
                     break
             if new_ids is None:
                 break
-            scheduled.append(self._plan(req, num_new))
+            self._plan(plan, req, num_new)
             budget -= num_new
             i += 1
 
@@ -102,7 +126,7 @@ class Scheduler:
                 if self.kv.swap_in(req, num_new) is None:
                     break
                 self._admit(req)
-                scheduled.append(self._plan(req, num_new))
+                self._plan(plan, req, num_new)
                 budget -= num_new
                 continue
             src = self.fork_source.pop(req.req_id, None)
@@ -113,7 +137,7 @@ class Scheduler:
                     req.num_computed_tokens = 0
                     break
                 self._admit(req)
-                scheduled.append(self._plan(req, num_new))
+                self._plan(plan, req, num_new)
                 budget -= num_new
                 continue
             hits, num_hit_tokens = self.kv.get_computed_blocks(req)
@@ -128,17 +152,20 @@ class Scheduler:
             if req.num_preemptions == 0:
                 req.num_cached_tokens = num_hit_tokens
             self._admit(req)
-            scheduled.append(self._plan(req, num_new))
+            self._plan(plan, req, num_new)
             budget -= num_new
 
         finished, self._finished_since_plan = self._finished_since_plan, []
-        return SchedulerOutput(scheduled, self.config.max_num_batched_tokens - budget, preempted, finished,
-                               self.kv.take_block_ops())
+        return SchedulerOutput(plan.new_reqs, plan.cached, plan.num_scheduled_tokens,
+                               self.config.max_num_batched_tokens - budget, preempted, finished,
+                               self.kv.take_block_ops(), plan.num_prompt_tokens, plan.num_sampling_reqs)
 
     def _admit(self, req: Request) -> None:
         self.waiting.popleft()
         if req.scheduled_time is None:  # queue time ends here, before the prefill runs
             req.scheduled_time = time.monotonic()
+        if req.status is RequestStatus.PREEMPTED:
+            self._worker_views[req.req_id].num_blocks = 0
         req.status = RequestStatus.RUNNING
         self.running.append(req)
 
@@ -153,10 +180,27 @@ class Scheduler:
         req.num_computed_tokens = num_shared
         return True
 
-    def _plan(self, req: Request, num_new: int) -> ScheduledRequest:
+    def _plan(self, plan: _PlanBuilder, req: Request, num_new: int) -> None:
         start = req.num_computed_tokens
-        return ScheduledRequest(req, req.all_token_ids[start:start + num_new], start,
-                                self.kv.block_ids(req.req_id), start + num_new == req.num_tokens)
+        plan.num_scheduled_tokens[req.req_id] = num_new
+        plan.num_prompt_tokens += max(0, min(req.num_prompt_tokens, start + num_new) - start)
+        plan.num_sampling_reqs += start + num_new == req.num_tokens
+        blocks = self.kv.req_blocks[req.req_id]
+        view = self._worker_views.get(req.req_id)
+        if view is None:
+            plan.new_reqs.append(NewRequestData(req.req_id, req.prompt_token_ids, req.params, req.eos_token_ids,
+                                                [b.block_id for b in blocks], start))
+            self._worker_views[req.req_id] = _WorkerView(req.num_tokens, len(blocks))
+            return
+        # A table known to the worker only grows at its end: copy-on-write replaces a block only in a table
+        # the worker has not seen yet (a fork's first plan). tests/core check this against a mirror.
+        c = plan.cached
+        c.req_ids.append(req.req_id)
+        c.resumed_from_preemption.append(view.num_blocks == 0)
+        c.new_token_ids.append(req.all_token_ids[view.num_tokens:])
+        c.new_block_ids.append([b.block_id for b in blocks[view.num_blocks:]])
+        c.num_computed_tokens.append(start)
+        view.num_tokens, view.num_blocks = req.num_tokens, len(blocks)
 
     def _preempt(self, req: Request) -> None:
         if self.preemption_mode == "swap" and self.kv.can_swap_out(req):
@@ -174,13 +218,13 @@ class Scheduler:
         """Advance computed counts, append sampled tokens, finish requests. Returns requests with a new token."""
         sampled = dict(zip(result.req_ids, range(len(result.req_ids))))
         updated: list[Request] = []
-        for s in plan.scheduled:
-            req = s.request
-            if req.status is not RequestStatus.RUNNING:
+        for req_id, num_new in plan.num_scheduled_tokens.items():
+            req = self.requests.get(req_id)
+            if req is None or req.status is not RequestStatus.RUNNING:  # finished while the step ran
                 continue
-            req.num_computed_tokens += len(s.token_ids)
+            req.num_computed_tokens += num_new
             self.kv.cache_blocks(req)
-            if not s.sample:
+            if req.num_computed_tokens < req.num_tokens:
                 continue
             j = sampled[req.req_id]
             req.append_token(result.sampled_token_ids[j])
@@ -211,7 +255,8 @@ class Scheduler:
             self.waiting.append(fork)
         req.status = status
         self.kv.free(req)
-        self._finished_since_plan.append(req_id)
+        if self._worker_views.pop(req_id, None) is not None:
+            self._finished_since_plan.append(req_id)
         return req
 
     def stats(self) -> SchedulerStats:

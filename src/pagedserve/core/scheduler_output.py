@@ -4,30 +4,63 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pagedserve.core.kv_cache_manager import BlockOps
-from pagedserve.core.request import Request
+from pagedserve.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True, slots=True)
-class ScheduledRequest:
-    request: Request        # read-only for the runner
-    token_ids: list[int]    # tokens whose K/V this step computes
-    start_pos: int          # position of token_ids[0] (= num_computed_tokens before the step)
-    block_ids: list[int]    # the whole block table after this step's allocation
-    sample: bool            # True when this step reaches the last token, so a new token is sampled
+class NewRequestData:
+    # A request the worker has not seen: everything it needs to keep the request's state from now on.
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: tuple[int, ...]
+    block_ids: list[int]          # the whole block table after this step's allocation
+    num_computed_tokens: int      # tokens whose K/V is already in the cache (prefix hits, a fork's share)
+
+
+@dataclass(frozen=True, slots=True)
+class CachedRequestData:
+    # Requests the worker already holds, as the difference since the plan that last scheduled them; one
+    # entry per request in each list (vLLM's layout).
+    req_ids: list[str] = field(default_factory=list)
+    # True when the request comes back from preemption: the worker dropped its block table then, so
+    # new_block_ids is the whole table; otherwise new_block_ids is appended to the worker's table.
+    resumed_from_preemption: list[bool] = field(default_factory=list)
+    new_token_ids: list[list[int]] = field(default_factory=list)  # tokens appended since (sampled ones)
+    new_block_ids: list[list[int]] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
 
 
 @dataclass(frozen=True, slots=True)
 class SchedulerOutput:
-    scheduled: list[ScheduledRequest]
-    num_batched_tokens: int
+    """One step's plan. The worker keeps each request's state (tokens, block table, sampling params) from
+    the first plan that schedules it until its id appears in finished_req_ids; plans carry only changes.
+
+    Each scheduled request computes num_scheduled_tokens[req_id] tokens from its num_computed_tokens on,
+    and samples a new token when that reaches its last known token. The dict's order is the batch order."""
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    # The worker frees their batch rows but keeps their tokens and generator until they resume.
     preempted_req_ids: list[str] = field(default_factory=list)
-    # Requests that left since the previous plan, so the runner can drop per-request state.
+    # Requests that left since the previous plan: the worker drops all their state.
     finished_req_ids: list[str] = field(default_factory=list)
     block_ops: BlockOps = field(default_factory=lambda: BlockOps([], [], []))
+    # For metrics: prompt tokens computed this step (prefix hits excluded), and requests that sample.
+    num_scheduled_prompt_tokens: int = 0
+    num_sampling_reqs: int = 0
 
     @property
     def is_empty(self) -> bool:
-        return not self.scheduled
+        # Nothing for the worker to do. A plan that schedules no token may still carry finished ids and
+        # swap-outs, which the worker must apply.
+        return not (self.num_scheduled_tokens or self.finished_req_ids or self.preempted_req_ids
+                    or self.block_ops)
 
 
 @dataclass(slots=True)
@@ -44,7 +77,7 @@ class PromptLogprobsChunk:
 
 @dataclass(slots=True)
 class ModelRunnerOutput:
-    # One entry per scheduled request with sample=True, in plan order.
+    # One entry per scheduled request that reaches its last token, in batch order.
     req_ids: list[str]
     sampled_token_ids: list[int]
     logprobs: list[float] | None = None                      # of each sampled token

@@ -107,7 +107,8 @@ class EngineCore:
             raise ValueError("preemption_mode='swap' needs swap_space > 0 (GiB of host memory)")
         self.kv = KVCacheManager(num_blocks, bs, config.cache.enable_prefix_caching, num_host_blocks)
         self.scheduler = Scheduler(config.scheduler, self.kv, max_len, config.cache.preemption_mode)
-        self.runner = ModelRunner(loaded.model, kv_caches, bs, hf.vocab_size, device)
+        self.runner = ModelRunner(loaded.model, kv_caches, bs, hf.vocab_size, device,
+                                  config.scheduler.max_num_seqs, max_len, config.model.seed)
         if num_host_blocks:
             self.runner.host_caches = allocate_host_caches(hf.num_hidden_layers, num_host_blocks, bs,
                                                            num_kv_heads, head_dim, dtype, device)
@@ -172,11 +173,8 @@ class EngineCore:
         outputs, self._failed = self._failed, []
         plan = self.scheduler.schedule()
         if plan.is_empty:
-            # schedule() has drained finished ids and pending block ops into the plan; the runner must still
-            # see them (free per-request state, run swap copies) even though nothing computes.
-            if plan.finished_req_ids or plan.block_ops:
-                self.runner.execute(plan)
             return outputs
+        # A plan with no tokens still carries finished ids and swap copies: the worker applies them.
         t0 = time.perf_counter()
         failures = _StepFailures()
         result = self._execute(plan, failures)
@@ -226,25 +224,24 @@ class EngineCore:
         return extra
 
     def _execute(self, plan: SchedulerOutput, failures: _StepFailures) -> ModelRunnerOutput:
+        # The plan's bookkeeping is applied once; a failure there is the engine's, not a request's.
+        self.runner.update_states(plan)
+        scheduled = plan.num_scheduled_tokens
         try:
-            return self.runner.execute(plan)
+            return self.runner.execute_model(scheduled)
         except Exception as exc:  # noqa: BLE001 (contained below, per request)
-            if len(plan.scheduled) == 1:
-                failures.errors[plan.scheduled[0].request.req_id] = _describe(exc)
+            if len(scheduled) == 1:
+                failures.errors[next(iter(scheduled))] = _describe(exc)
                 return ModelRunnerOutput([], [])
             logger.warning("a step of %d requests failed (%s); running them one at a time",
-                           len(plan.scheduled), _describe(exc))
-        # Block ops and finished ids were applied by the failed call (they come first and are idempotent
-        # only once), so the retries carry just their own request. K/V writes of a retried request land in
-        # the same slots with the same values.
+                           len(scheduled), _describe(exc))
         parts: list[ModelRunnerOutput] = []
-        for s in plan.scheduled:
-            sub = SchedulerOutput([s], len(s.token_ids))
+        for req_id, num_tokens in scheduled.items():
             try:
-                parts.append(self.runner.execute(sub))
+                parts.append(self.runner.execute_model({req_id: num_tokens}))
             except Exception as exc:  # noqa: BLE001
-                logger.exception("request %s failed inside a step", s.request.req_id)
-                failures.errors[s.request.req_id] = _describe(exc)
+                logger.exception("request %s failed inside a step", req_id)
+                failures.errors[req_id] = _describe(exc)
         return merge_runner_outputs(parts)
 
 

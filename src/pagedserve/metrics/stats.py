@@ -86,11 +86,8 @@ class EngineStats:
         self.num_steps += 1
         self.step_time_total += step_time
         self.scheduler = sched
-        for s in plan.scheduled:
-            req = s.request
-            num_prompt = max(0, min(req.num_prompt_tokens, s.start_pos + len(s.token_ids)) - s.start_pos)
-            self.num_prompt_tokens_total += num_prompt
-            self.num_generation_tokens_total += int(s.sample)
+        self.num_prompt_tokens_total += plan.num_scheduled_prompt_tokens
+        self.num_generation_tokens_total += plan.num_sampling_reqs
 
     def record_finished(self, samples: list) -> None:
         # samples: the finished Requests of one user request.

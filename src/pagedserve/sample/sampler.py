@@ -224,8 +224,9 @@ def _sample_random(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         threshold = batch.min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
         probs = probs.masked_fill(probs < threshold, 0.0)
     q = torch.empty_like(probs)
-    if all(g is None for g in batch.generators):
-        q.exponential_()
+    gens = batch.generators
+    if all(g is gens[0] for g in gens):  # one stream for the whole batch (the engine's, or torch's default)
+        q.exponential_(generator=gens[0] if gens else None)
     else:
         for i, g in enumerate(batch.generators):
             q[i].exponential_(generator=g)

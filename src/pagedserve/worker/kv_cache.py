@@ -36,9 +36,29 @@ def apply_block_ops(ops, kv_caches: list[torch.Tensor], host_caches: list[torch.
     for pairs, src_caches, dst_caches in ((ops.swap_out, kv_caches, host_caches),
                                           (ops.swap_in, host_caches, kv_caches),
                                           (ops.copy, kv_caches, kv_caches)):
-        if not pairs:
-            continue
-        src_ids = torch.tensor([s for s, _ in pairs], device=src_caches[0].device)
-        dst_ids = torch.tensor([d for _, d in pairs], device=dst_caches[0].device)
-        for src, dst in zip(src_caches, dst_caches):
-            dst[:, dst_ids] = src[:, src_ids].to(dst.device, non_blocking=True)
+        if pairs:
+            copy_blocks(pairs, src_caches, dst_caches)
+
+
+def copy_blocks(pairs: list[tuple[int, int]], src_caches: list[torch.Tensor],
+                dst_caches: list[torch.Tensor]) -> None:
+    src_dev, dst_dev = src_caches[0].device, dst_caches[0].device
+    src_ids = torch.tensor([s for s, _ in pairs], device=src_dev)
+    dst_ids = torch.tensor([d for _, d in pairs], device=dst_dev)
+    if src_dev.type != "cpu" and dst_dev.type == "cpu":
+        # Device -> host (swap-out). A non_blocking copy returns before the data has arrived, and the
+        # scatter into the host pool below runs on the host at once: it would read a buffer the DMA has
+        # not filled yet. So all layers' copies are queued first and the stream is synchronized once
+        # before the host reads any of them. Other device types copy blocking.
+        cuda = src_dev.type == "cuda"
+        staged = [src[:, src_ids].to(dst_dev, non_blocking=cuda) for src in src_caches]
+        if cuda:
+            torch.cuda.current_stream(src_dev).synchronize()
+        for dst, blocks in zip(dst_caches, staged):
+            dst[:, dst_ids] = blocks
+        return
+    # Host -> device (swap-in) and device -> device (copy-on-write): the copies are queued on the device
+    # stream before the forward pass that reads them. The host-side gather src[:, src_ids] is a fresh
+    # tensor, so a later swap-out into the same host blocks cannot change what is in flight.
+    for src, dst in zip(src_caches, dst_caches):
+        dst[:, dst_ids] = src[:, src_ids].to(dst_dev, non_blocking=True)

@@ -1,21 +1,38 @@
-"""SchedulerOutput -> flat tensors -> model -> sampler. Reads requests, never mutates them."""
+"""SchedulerOutput -> the worker's input batch -> flat tensors -> model -> sampler.
+
+The runner keeps its own state of every request (worker/input_batch.py), updated from each plan's
+difference; it never sees or mutates the scheduler's requests.
+"""
 from __future__ import annotations
 
-import itertools
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from pagedserve.attention.metadata import AttentionMetadata
-from pagedserve.worker.kv_cache import apply_block_ops
-from pagedserve.worker.prompt_logprobs import compute_prompt_logprobs, prompt_span
 from pagedserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagedserve.sample.sampler import Sampler, SamplingBatch, SamplingRow, make_generator
+from pagedserve.worker.input_batch import InputBatch
+from pagedserve.worker.kv_cache import apply_block_ops
+from pagedserve.worker.prompt_logprobs import compute_prompt_logprobs, prompt_span
+
+
+@dataclass(slots=True)
+class StepInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    req_ids: list[str]       # batch order
+    query_lens: list[int]
+    starts: np.ndarray       # num_computed_tokens of each sequence when the step starts
+    sample: np.ndarray       # bool per sequence: the step reaches its last token
 
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], block_size: int,
-                 vocab_size: int, device: torch.device) -> None:
+                 vocab_size: int, device: torch.device, max_num_reqs: int = 64, max_model_len: int = 2048,
+                 seed: int = 0) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.host_caches: list[torch.Tensor] = []  # the swap pool, set by the engine when swap_space > 0
@@ -23,70 +40,89 @@ class ModelRunner:
         self.vocab_size = vocab_size
         self.device = device
         self.sampler = Sampler()
-        # Per-request seeded generators live as long as the request, so a seed gives one stream of draws
-        # whatever batch the request lands in.
-        self.generators: dict[str, torch.Generator] = {}
+        self.input_batch = InputBatch(max_num_reqs, max_model_len, block_size)
+        # Requests without a seed draw from this one stream, seeded by the engine's seed (--seed), so a
+        # restart with the same seed and the same requests samples the same tokens. A seeded request keeps
+        # its own generator for its lifetime, so its draws do not depend on its batch mates.
+        self.generator = make_generator(seed, device)
 
-    def build_metadata(self, plan: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        # Python touches each scheduled request once (O(batch)); per-token work (positions, slots) is
-        # vectorized in numpy, so a 512-token prefill chunk costs what a 1-token decode does.
+    def _make_generator(self, seed: int) -> torch.Generator:
+        return make_generator(seed, self.device)
+
+    def build_metadata(self, num_scheduled_tokens: dict[str, int]) -> StepInputs:
+        # Python touches each scheduled request once (O(batch)); per-token work (token ids, positions,
+        # slots) is vectorized in numpy over the input batch's rows, so a 512-token prefill chunk costs what
+        # a 1-token decode does.
+        batch = self.input_batch
         bs = self.block_size
-        scheduled = plan.scheduled
-        num_seqs = len(scheduled)
-        query_lens = [len(s.token_ids) for s in scheduled]
-        seq_lens = [s.start_pos + n for s, n in zip(scheduled, query_lens)]
-        input_ids = np.fromiter(itertools.chain.from_iterable(s.token_ids for s in scheduled), dtype=np.int64,
-                                count=sum(query_lens))
-        max_blocks = max(len(s.block_ids) for s in scheduled)
-        tables = np.zeros((num_seqs, max_blocks), dtype=np.int64)  # padded with block 0, never read
-        for i, s in enumerate(scheduled):
-            tables[i, :len(s.block_ids)] = s.block_ids
+        req_ids = list(num_scheduled_tokens)
+        query_lens = list(num_scheduled_tokens.values())
+        num_seqs = len(req_ids)
+        rows = np.fromiter((batch.row_of(r) for r in req_ids), dtype=np.int64, count=num_seqs)
+        starts = batch.num_computed_tokens[rows]
+        seq_lens = starts + np.asarray(query_lens, dtype=np.int64)
+        tables = batch.block_table[rows, :int(batch.num_blocks[rows].max())]
         qsl = np.zeros(num_seqs + 1, dtype=np.int64)
         np.cumsum(query_lens, out=qsl[1:])
         if qsl[-1] == num_seqs:  # pure decode: one token per sequence, at position seq_len - 1
             seq_idx = np.arange(num_seqs)
-            positions = np.asarray(seq_lens, dtype=np.int64) - 1
+            positions = seq_lens - 1
         else:
             seq_idx = np.repeat(np.arange(num_seqs), query_lens)
-            starts = np.asarray([s.start_pos for s in scheduled], dtype=np.int64)
             positions = np.arange(qsl[-1], dtype=np.int64) - qsl[seq_idx] + starts[seq_idx]
+        input_ids = batch.token_ids[rows[seq_idx], positions].astype(np.int64)
         slots = tables[seq_idx, positions // bs] * bs + positions % bs
         dev = self.device
         as_tensor = lambda a: torch.from_numpy(a).to(dev)  # noqa: E731  (no copy on CPU)
         meta = AttentionMetadata(
-            slot_mapping=as_tensor(slots), block_tables=as_tensor(tables),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.long, device=dev), query_start_loc=as_tensor(qsl),
-            seq_lens_list=seq_lens, query_lens_list=query_lens, block_size=bs)
-        return as_tensor(input_ids), as_tensor(positions), meta
+            slot_mapping=as_tensor(slots), block_tables=as_tensor(tables), seq_lens=as_tensor(seq_lens),
+            query_start_loc=as_tensor(qsl), seq_lens_list=seq_lens.tolist(), query_lens_list=query_lens,
+            block_size=bs)
+        return StepInputs(as_tensor(input_ids), as_tensor(positions), meta, req_ids, query_lens, starts,
+                          seq_lens == batch.num_tokens[rows])
+
+    def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
+        self.update_states(plan)
+        return self.execute_model(plan.num_scheduled_tokens)
+
+    def update_states(self, plan: SchedulerOutput) -> None:
+        # Bookkeeping only (the plan's diff into the input batch, block copies and swaps): done once per plan.
+        self.input_batch.apply(plan, self._make_generator)
+        apply_block_ops(plan.block_ops, self.kv_caches, self.host_caches)
 
     @torch.inference_mode()
-    def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
-        for req_id in plan.finished_req_ids:
-            self.generators.pop(req_id, None)
-        apply_block_ops(plan.block_ops, self.kv_caches, self.host_caches)
-        if plan.is_empty:
+    def execute_model(self, num_scheduled_tokens: dict[str, int]) -> ModelRunnerOutput:
+        # Runs the scheduled tokens of requests already in the input batch. Running it again for a subset
+        # (the engine core isolating a failing request) recomputes the same K/V into the same slots.
+        if not num_scheduled_tokens:  # finished ids and swap-outs only
             return ModelRunnerOutput([], [])
-        input_ids, positions, meta = self.build_metadata(plan)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        step = self.build_metadata(num_scheduled_tokens)
+        hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta)
 
         # The LM head runs only on each sampled request's last token, plus every prompt row of requests that
         # asked for prompt logprobs (worker/prompt_logprobs.py).
+        requests = self.input_batch.requests
         sample_idx = []
         rows = []
         req_ids = []
         prompt_spans = []
         end = 0
-        for s in plan.scheduled:
-            req = s.request
-            if req.params.prompt_logprobs is not None and (span := prompt_span(s, end)) is not None:
-                prompt_spans.append(span)
-            end += len(s.token_ids)
-            if not s.sample:
+        for i, req_id in enumerate(step.req_ids):
+            state = requests[req_id]
+            num_new = step.query_lens[i]
+            if state.params.prompt_logprobs is not None:
+                span = prompt_span(req_id, state.prompt_token_ids, int(step.starts[i]), num_new,
+                                   state.params.prompt_logprobs, end)
+                if span is not None:
+                    prompt_spans.append(span)
+            end += num_new
+            if not step.sample[i]:
                 continue
             sample_idx.append(end - 1)
-            req_ids.append(req.req_id)
-            rows.append(SamplingRow(req.params, req.prompt_token_ids, req.output_token_ids,
-                                    self._generator(req), list(req.eos_token_ids)))
+            req_ids.append(req_id)
+            rows.append(SamplingRow(state.params, state.prompt_token_ids, state.output_token_ids,
+                                    self.generator if state.generator is None else state.generator,
+                                    state.eos_token_ids))
         prompt_logprobs = compute_prompt_logprobs(self.model, hidden, prompt_spans) if prompt_spans else None
         if not rows:
             return ModelRunnerOutput([], [], prompt_logprobs=prompt_logprobs)
@@ -94,11 +130,3 @@ class ModelRunner:
         out = self.sampler(logits, SamplingBatch.build(rows, self.vocab_size, logits.device))
         return ModelRunnerOutput(req_ids, out.sampled_token_ids, out.logprobs, out.top_logprobs, out.ranks,
                                  prompt_logprobs)
-
-    def _generator(self, req) -> torch.Generator | None:
-        if req.params.seed is None:
-            return None
-        gen = self.generators.get(req.req_id)
-        if gen is None:
-            gen = self.generators[req.req_id] = make_generator(req.params.seed, self.device)
-        return gen

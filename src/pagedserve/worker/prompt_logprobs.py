@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedserve.core.scheduler_output import PromptLogprobsChunk, ScheduledRequest
+from pagedserve.core.scheduler_output import PromptLogprobsChunk
 from pagedserve.sample.sampler import compute_logprobs
 
 # Rows per LM-head call: bounds the [rows, vocab] fp32 logits and log-softmax of a long prefill chunk
@@ -32,18 +32,15 @@ class PromptSpan:
     num_top: int
 
 
-def prompt_span(s: ScheduledRequest, first_row: int) -> PromptSpan | None:
-    """The rows of this step that score prompt tokens of s's request, or None when it asks for none."""
-    req = s.request
-    if req.params.prompt_logprobs is None:
-        return None
-    # Positions from start_pos up to the one before the last prompt token: each scores its successor.
+def prompt_span(req_id: str, prompt_token_ids: list[int], start: int, num_new: int, num_top: int,
+                first_row: int) -> PromptSpan | None:
+    """The rows of a step computing positions [start, start + num_new) that score prompt tokens, or None."""
+    # Positions from start up to the one before the last prompt token: each scores its successor.
     # After a preemption the recomputed chunk covers output tokens too; those rows score nothing here.
-    end = min(s.start_pos + len(s.token_ids), req.num_prompt_tokens - 1)
-    if end <= s.start_pos:
+    end = min(start + num_new, len(prompt_token_ids) - 1)
+    if end <= start:
         return None
-    return PromptSpan(req.req_id, first_row, s.start_pos + 1, req.prompt_token_ids[s.start_pos + 1:end + 1],
-                      req.params.prompt_logprobs)
+    return PromptSpan(req_id, first_row, start + 1, prompt_token_ids[start + 1:end + 1], num_top)
 
 
 def compute_prompt_logprobs(model: torch.nn.Module, hidden: torch.Tensor,
