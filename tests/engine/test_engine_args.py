@@ -111,7 +111,7 @@ def test_unschedulable_prompt_fails_at_add_and_does_not_block_the_queue():
         sched.add_request(Request("long", list(range(1, 11)), params, 4, (0,)))
     sched.add_request(Request("short", [1, 2, 3], params, 4, (0,)))
     plan = sched.schedule()
-    assert [s.request.req_id for s in plan.scheduled] == ["short"]
+    assert list(plan.num_scheduled_tokens) == ["short"]
 
 
 def test_envs_are_read_at_call_time(monkeypatch, tmp_path):

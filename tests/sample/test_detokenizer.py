@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import re
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -14,11 +16,15 @@ SAMPLES = ["héllo 🙂 世界, 你好! ñandú", "emoji 👩‍👩‍👧 and 
 
 class WithoutBackend:
     # Hides the Rust backend, forcing the pure-Python window decoder.
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, slow_spaces: bool = False):
         self._tok = tokenizer
+        self.slow_spaces = slow_spaces  # emulate a slow tokenizer's spaces_between_special_tokens
 
-    def decode(self, ids, skip_special_tokens=False):
-        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+    def decode(self, ids, skip_special_tokens=False, spaces_between_special_tokens=True):
+        text = self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+        if self.slow_spaces and spaces_between_special_tokens:
+            text = re.sub(r"(<\|[a-z_]+\|>)(?=<\|)", r"\1 ", text)
+        return text
 
 
 def stream(tok, prompt_ids, output_ids, chunks=None, **params):
@@ -154,3 +160,12 @@ def test_encoded_unicode_concatenates_to_decode(tok, smol_tokenizer, prompt_ids,
     output_ids = smol_tokenizer.encode(text, add_special_tokens=False) or [EOS]
     chunks = _chunks(data.draw, len(output_ids))
     _check_concatenation(tok, smol_tokenizer, prompt_ids, output_ids, chunks, data.draw(st.booleans()))
+
+
+@pytest.mark.parametrize("spaces", [True, False])
+def test_spaces_between_special_tokens_reaches_the_decoder(smol_tokenizer, prompt_ids, spaces):
+    ids = smol_tokenizer.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>", "<|im_start|>"])
+    deltas, detok, _ = stream(WithoutBackend(smol_tokenizer, slow_spaces=True), prompt_ids, ids, skip_special_tokens=False,
+                              spaces_between_special_tokens=spaces)
+    sep = " " if spaces else ""
+    assert "".join(deltas) == sep.join(["<|im_start|>", "<|im_end|>", "<|im_start|>"])

@@ -37,16 +37,19 @@ def _backend_tokenizer(tokenizer: Any) -> Any | None:
 class _WindowDecoder:
     # Same contract as tokenizers' DecodeStream for tokenizers without a Rust backend: decode a small window
     # (prefix + new tokens) and emit what the new tokens add, once it no longer ends mid-character.
-    def __init__(self, tokenizer: Any, skip_special_tokens: bool) -> None:
+    def __init__(self, tokenizer: Any, skip_special_tokens: bool, spaces_between_special_tokens: bool) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self.spaces_between_special_tokens = spaces_between_special_tokens
         self.ids: list[int] = []
         self.prefix_offset = 0
         self.read_offset = 0
 
     def step(self, _backend: Any, token_id: int) -> str | None:
         self.ids.append(token_id)
-        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)  # noqa: E731
+        decode = lambda ids: self.tokenizer.decode(  # noqa: E731
+            ids, skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens)
         prefix_text = decode(self.ids[self.prefix_offset:self.read_offset])
         text = decode(self.ids[self.prefix_offset:])
         if len(text) > len(prefix_text) and not text.endswith(_REPLACEMENT_CHAR):
@@ -59,6 +62,9 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens: bool = params.skip_special_tokens
+        # As in transformers: slow (Python) tokenizers put spaces between special tokens when this is on;
+        # fast (Rust) tokenizers never do, so for them it changes nothing, exactly as their decode().
+        self.spaces_between_special_tokens: bool = params.spaces_between_special_tokens
         self.stop: list[str] = list(params.stop)
         self.min_tokens: int = params.min_tokens
         self.include_stop_str_in_output: bool = params.include_stop_str_in_output
@@ -78,7 +84,7 @@ class IncrementalDetokenizer:
 
     def _new_stream(self) -> Any:
         if self._backend is None:
-            return _WindowDecoder(self.tokenizer, self.skip_special_tokens)
+            return _WindowDecoder(self.tokenizer, self.skip_special_tokens, self.spaces_between_special_tokens)
         from tokenizers.decoders import DecodeStream
 
         return DecodeStream(skip_special_tokens=self.skip_special_tokens)
@@ -146,12 +152,16 @@ class IncrementalDetokenizer:
             self._flushed = True
             return
         self._flushed = True
-        full = self.tokenizer.decode(self._decoded_ids, skip_special_tokens=self.skip_special_tokens)
+        full = self._decode(self._decoded_ids)
         if full.startswith(self._text):
             self._text = full
         else:
             pending = self._decoded_ids[-self._num_pending:]
-            self._text += self.tokenizer.decode(pending, skip_special_tokens=self.skip_special_tokens)
+            self._text += self._decode(pending)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,
+                                     spaces_between_special_tokens=self.spaces_between_special_tokens)
 
     def get_next_output_text(self, finished: bool, delta: bool) -> str:
         if finished:
