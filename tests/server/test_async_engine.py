@@ -237,3 +237,25 @@ def test_snapshot_counts_a_request_before_its_final_output_arrives():
         assert asyncio.run(asyncio.wait_for(main(), 10)) == [1, 2, 3]
     finally:
         async_engine.shutdown()
+
+
+def test_a_huge_prompt_is_refused_before_tokenizing(fake, monkeypatch):
+    # Every token covers at most max_chars_per_token characters, so a text longer than max_model_len times
+    # that is refused without running the tokenizer over it (a 30 MB prompt used to be tokenized first).
+    engine, async_engine = fake
+    proc = async_engine.processor
+    calls = []
+    encode = proc.tokenizer.encode
+    monkeypatch.setattr(proc.tokenizer, "encode", lambda *a, **k: calls.append(1) or encode(*a, **k))
+    huge = "t1 " * (proc.max_model_len * proc.max_chars_per_token // 3 + 1)
+
+    async def main():
+        with pytest.raises(ValueError, match="characters"):
+            await async_engine.add_request("huge", huge, SamplingParams(max_tokens=2))
+        with pytest.raises(ValueError, match="characters"):
+            await async_engine.add_request("huge-chat", lambda p: p.chat_prompt([{"role": "user", "content": huge}]),
+                                           SamplingParams(max_tokens=2))
+        return [o async for o in async_engine.generate(PROMPT, SamplingParams(max_tokens=2), "ok")]
+
+    assert asyncio.run(main())[-1].finished
+    assert len(calls) == 1  # only the small prompt was tokenized

@@ -135,9 +135,6 @@ class Processor:
 
     def apply_chat_template(self, messages: list[dict[str, Any]], chat_template: str | None = None,
                             add_generation_prompt: bool = True, **kwargs: Any) -> str:
-        template = _read_template(chat_template) or self.chat_template
-        if template is None:
-            raise ValueError("this model has no chat template; pass chat_template=")
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
         for m in messages:
@@ -145,6 +142,9 @@ class Processor:
                 raise ValueError(f"each message needs a 'role', got {m!r}")
             if isinstance(m.get("content"), str):
                 self.check_text_length(m["content"])
+        template = _read_template(chat_template) or self.chat_template
+        if template is None:
+            raise ValueError("this model has no chat template; pass chat_template=")
         try:
             return self.tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
                                                       add_generation_prompt=add_generation_prompt, **kwargs)
