@@ -50,7 +50,8 @@ def instrument(llm: LLM) -> PhaseTimer:
     timer.wrap(eng, "step", "step_total")
     timer.wrap(eng.scheduler, "schedule", "schedule")
     timer.wrap(eng.scheduler, "update", "scheduler_update")
-    timer.wrap(runner, "execute", "execute_total")
+    timer.wrap(runner, "update_states", "update_states")
+    timer.wrap(runner, "execute_model", "execute_total")
     timer.wrap(runner, "build_metadata", "build_inputs")
     timer.wrap(runner.model, "forward", "model_forward")  # nn.Module __call__ finds the instance attribute
     timer.wrap(runner.model, "compute_logits", "lm_head")
@@ -138,7 +139,9 @@ def main() -> None:
         "sampling": t["sampling"],
         "runner other": t["execute_total"] - t["build_inputs"] - t["model_forward"] - t["lm_head"] - t["sampling"],
         "scheduler update": t["scheduler_update"],
-        "engine/detok": t["step_total"] - t["schedule"] - t["execute_total"] - t["scheduler_update"],
+        "runner state update": t["update_states"],
+        "engine/detok": t["step_total"] - t["schedule"] - t["update_states"] - t["execute_total"]
+        - t["scheduler_update"],
         "outside step": wall - t["step_total"],
     }
     for k, v in rows.items():
