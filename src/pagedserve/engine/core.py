@@ -113,8 +113,6 @@ class EngineCore:
             self.runner.host_caches = allocate_host_caches(hf.num_hidden_layers, num_host_blocks, bs,
                                                            num_kv_heads, head_dim, dtype, device)
         self.stats = EngineStats()
-        # Requests failed inside a step, reported by the next step() (an abort may already have been sent).
-        self._failed: list[EngineCoreOutput] = []
         # Samples of one user request (a sample's group is the sample it forks, or itself), so metrics count
         # a request once when its last sample ends, as vLLM does.
         self._group_of: dict[str, str] = {}
@@ -164,13 +162,13 @@ class EngineCore:
         self.stats.record_finished(samples)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._failed)
+        return self.scheduler.has_unfinished()
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.scheduler.requests)
 
     def step(self) -> list[EngineCoreOutput]:
-        outputs, self._failed = self._failed, []
+        outputs: list[EngineCoreOutput] = []
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return outputs
