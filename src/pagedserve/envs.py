@@ -3,6 +3,7 @@ test or a launcher that sets one before the first use is obeyed.
 
     PAGEDSERVE_CACHE_DIR  root of converted GGUF models and built kernels (default ~/.cache/pagedserve)
     PAGEDSERVE_KERNELS    "0" turns off the compiled CPU kernels and oneDNN-packed linears (default on)
+    PAGEDSERVE_API_KEY    `pagedserve serve`'s API key when --api-key is not given (vLLM reads VLLM_API_KEY)
 """
 from __future__ import annotations
 
@@ -15,3 +16,11 @@ def cache_dir() -> str:
 
 def kernels_enabled() -> bool:
     return os.environ.get("PAGEDSERVE_KERNELS", "1") != "0"
+
+
+def api_key() -> str | None:
+    key = os.environ.get("PAGEDSERVE_API_KEY")
+    # A Secret mounted with an empty value must not silently turn authentication off.
+    if key is not None and not key:
+        raise ValueError("PAGEDSERVE_API_KEY is set but empty (unset it to serve without an API key)")
+    return key

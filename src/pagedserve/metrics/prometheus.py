@@ -11,6 +11,8 @@ Where the numbers come from:
 - Histograms are observed when a request finishes (EngineStats.on_finished, on the engine thread). Aborted
   requests are counted in request_success_total{finished_reason="abort"} but observe no latencies.
 - request_queue_time_seconds: arrival until the scheduler first admitted the request (before its prefill).
+- http_requests_total{handler,method,status="2xx"|"4xx"|"5xx"} counts responses (status class as sent at the
+  start of the response: a stream that fails later still counts as 2xx; its error shows in the engine's series).
 - inter_token_latency_seconds: the engine keeps only first/last token times, so a finished request observes
   its mean gap once per gap. For n=1 _sum and _count equal what per-token observation gives; only the spread
   across buckets within one request is flattened (for n>1 the gap is approximated from the request's span).
@@ -19,7 +21,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from pagedserve.metrics.stats import RequestStats
@@ -122,7 +124,14 @@ class PrometheusMetrics:
         self.queue_time = histogram("request_queue_time_seconds",
                                     "Histogram of time spent waiting to be scheduled, in seconds.",
                                     _LATENCY_BUCKETS)
+        # HTTP responses by route, method and status class, unprefixed and labelled as vLLM's (its FastAPI
+        # instrumentator), so error-rate alerts written for vLLM work: 5xx / all.
+        self.http_requests = Counter("http_requests", "Total number of HTTP responses by handler and status.",
+                                     ["handler", "method", "status"], registry=self.registry)
         engine.add_finished_callback(self.on_finished)
+
+    def count_http(self, handler: str, method: str, status: int) -> None:
+        self.http_requests.labels(handler, method, f"{status // 100}xx").inc()
 
     def on_finished(self, rs: RequestStats) -> None:  # engine thread; prometheus_client is thread-safe
         if rs.ttft is not None:

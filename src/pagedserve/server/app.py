@@ -17,10 +17,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pagedserve import __version__
 from pagedserve.engine.async_engine import AsyncLLMEngine, EngineClosedError, EngineError
 from pagedserve.metrics.prometheus import PrometheusMetrics
-from pagedserve.server.cli_args import HEALTH_MAX_STALL_S, MAX_REQUEST_BODY_SIZE, MAX_SAMPLES_PER_REQUEST
+from pagedserve.server.cli_args import (HEALTH_MAX_STALL_S, MAX_REQUEST_BODY_SIZE, MAX_SAMPLES_PER_REQUEST,
+                                        SHUTDOWN_TIMEOUT_S)
 from pagedserve.server.context import ServerContext
 from pagedserve.server.errors import OpenAIError
-from pagedserve.server.middleware import APIKeyMiddleware, BodySizeLimitMiddleware
+from pagedserve.server.middleware import APIKeyMiddleware, BodySizeLimitMiddleware, HTTPMetricsMiddleware
 from pagedserve.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                         DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
                                         TokenizeResponse)
@@ -178,21 +179,26 @@ def build_app(engine: AsyncLLMEngine, args: Any) -> FastAPI:
         body, content_type = metrics.render()
         return Response(body, media_type=content_type)
 
+    # Outermost, so the 401s and 413s of the middlewares above are counted too.
+    app.add_middleware(HTTPMetricsMiddleware, count=metrics.count_http,
+                       routes=frozenset(getattr(r, "path", "") for r in app.routes))
     return app
 
 
-# On SIGINT/SIGTERM open responses get this long to finish; then the engine stops, which ends every stream
-# with an error event and [DONE] (503 for non-streaming), so uvicorn never has to cancel a handler mid-await.
-# A second signal stops the engine at once, and the process then exits with FORCED_EXIT_CODE.
-DRAIN_S = 5.0
+# On SIGINT/SIGTERM open responses get --shutdown-timeout seconds to finish; then the engine stops, which ends
+# every stream with an error event and [DONE] (503 for non-streaming), so uvicorn never has to cancel a handler
+# mid-await. A second signal stops the engine at once, and the process then exits with FORCED_EXIT_CODE.
+DRAIN_S = SHUTDOWN_TIMEOUT_S
 FORCED_EXIT_CODE = 1
 
 
 def run_server(engine: AsyncLLMEngine, args: Any) -> int:
-    """Serve until SIGINT/SIGTERM, drain (DRAIN_S), then stop the engine. Returns the exit code."""
+    """Serve until SIGINT/SIGTERM, drain (--shutdown-timeout), then stop the engine. Returns the exit code."""
     import asyncio
 
     import uvicorn
+
+    drain_s = float(getattr(args, "shutdown_timeout", DRAIN_S))
 
     class Server(uvicorn.Server):
         loop: asyncio.AbstractEventLoop | None = None
@@ -215,7 +221,7 @@ def run_server(engine: AsyncLLMEngine, args: Any) -> int:
             super().handle_exit(sig, frame)
 
         async def shutdown(self, sockets: Any = None) -> None:
-            stop = asyncio.get_running_loop().call_later(DRAIN_S, engine.shutdown, 0.0)
+            stop = asyncio.get_running_loop().call_later(drain_s, engine.shutdown, 0.0)
             try:
                 await super().shutdown(sockets)
             finally:
@@ -224,7 +230,7 @@ def run_server(engine: AsyncLLMEngine, args: Any) -> int:
     app = build_app(engine, args)
     config = uvicorn.Config(app, host=args.host, port=args.port,
                             log_level=getattr(args, "uvicorn_log_level", "info"),
-                            timeout_graceful_shutdown=int(DRAIN_S) + 5)
+                            timeout_graceful_shutdown=int(drain_s) + 5)
     server = Server(config)
     try:
         server.run()

@@ -14,6 +14,9 @@ MAX_REQUEST_BODY_SIZE = 16 << 20
 # A decode step takes milliseconds and a full prefill chunk well under a second on CPU; 30 s in one step is
 # a stuck engine.
 HEALTH_MAX_STALL_S = 30.0
+# On SIGINT/SIGTERM open responses get this long to finish before the engine stops (and ends them with an
+# error). Kubernetes users raise it to their longest stream (deploy/helm sets it below the pod's grace period).
+SHUTDOWN_TIMEOUT_S = 5.0
 
 
 class _ShutdownSignal(Exception):
@@ -35,6 +38,13 @@ def _positive(kind: type) -> Callable[[str], object]:
     return parse
 
 
+def _non_negative_float(value: str) -> float:
+    number = float(value)
+    if not number >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return number
+
+
 def add_serve_parser(subparsers, add_engine_args: Callable[[argparse.ArgumentParser], None]) -> None:
     p = subparsers.add_parser("serve", help="run the OpenAI-compatible HTTP server")
     add_engine_args(p)
@@ -42,13 +52,16 @@ def add_serve_parser(subparsers, add_engine_args: Callable[[argparse.ArgumentPar
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=8000)
     g.add_argument("--api-key", default=None, type=_api_key,
-                   help="require 'Authorization: Bearer KEY' on every endpoint except /health and /metrics")
+                   help="require 'Authorization: Bearer KEY' on every endpoint except /health and /metrics "
+                        "(default: $PAGEDSERVE_API_KEY, which keeps the key out of the process list)")
     g.add_argument("--max-samples-per-request", type=_positive(int), default=MAX_SAMPLES_PER_REQUEST,
                    metavar="N", help="largest n and best_of a request may ask for (400 above it)")
     g.add_argument("--max-request-body-size", type=_positive(int), default=MAX_REQUEST_BODY_SIZE,
                    metavar="BYTES", help="larger request bodies are refused with 413")
     g.add_argument("--health-max-stall-s", type=_positive(float), default=HEALTH_MAX_STALL_S,
                    metavar="SECONDS", help="/health answers 503 once one engine step has run this long")
+    g.add_argument("--shutdown-timeout", type=_non_negative_float, default=SHUTDOWN_TIMEOUT_S, metavar="SECONDS",
+                   help="on SIGTERM/SIGINT, how long open responses may take to finish before the engine stops")
     g.add_argument("--served-model-name", nargs="+", default=None,
                    help="model name(s) clients send; the first is used in responses (default: --model)")
     g.add_argument("--metrics-prefix", choices=["pagedserve", "vllm"], default="pagedserve",
@@ -70,10 +83,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine = None
     exit_code = 0
     try:
+        from pagedserve import envs
         from pagedserve.engine.arg_utils import EngineArgs
         from pagedserve.engine.async_engine import AsyncLLMEngine
         from pagedserve.server.app import run_server
 
+        if args.api_key is None:
+            args.api_key = envs.api_key()
         config = EngineArgs.from_cli_args(args).create_engine_config()
         engine = AsyncLLMEngine.from_config(config)
         name = (args.served_model_name or [args.model or engine.model_name])[0]

@@ -1,4 +1,4 @@
-"""Plain ASGI middlewares: API keys and the request body limit.
+"""Plain ASGI middlewares: API keys, the request body limit and the HTTP response counter.
 
 Plain ASGI (not BaseHTTPMiddleware) so they neither buffer streams nor get in the way of disconnects, and they
 run before FastAPI parses the body.
@@ -6,6 +6,7 @@ run before FastAPI parses the body.
 from __future__ import annotations
 
 import hmac
+from typing import Callable
 
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
@@ -70,3 +71,25 @@ class BodySizeLimitMiddleware:
             return message
 
         await self.app(scope, counted_receive, send)
+
+
+class HTTPMetricsMiddleware:
+    """Counts every response (401 and 413 from the middlewares inside it too) by route, method and status."""
+
+    def __init__(self, app: ASGIApp, count: Callable[[str, str, int], None], routes: frozenset[str]) -> None:
+        self.app = app
+        self.count = count
+        self.routes = routes  # unknown paths share one label, so scanners cannot grow the series without bound
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        handler = scope["path"] if scope["path"] in self.routes else "none"
+
+        async def counted_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                self.count(handler, scope["method"], message["status"])
+            await send(message)
+
+        await self.app(scope, receive, counted_send)
