@@ -119,6 +119,9 @@ class PrometheusMetrics:
                               _TTFT_BUCKETS)
         self.itl = histogram("inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
                              _ITL_BUCKETS)
+        # TPOT: one observation per request (its mean gap), so percentiles are over requests, not tokens.
+        self.tpot = histogram("request_time_per_output_token_seconds",
+                              "Histogram of time per output token per request in seconds.", _ITL_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds",
                              "Histogram of end to end request latency in seconds.", _LATENCY_BUCKETS)
         self.queue_time = histogram("request_queue_time_seconds",
@@ -142,6 +145,7 @@ class PrometheusMetrics:
             self.e2e.observe(rs.e2e_latency)
         itl = rs.mean_inter_token_latency
         if itl is not None:
+            self.tpot.observe(itl)
             for _ in range(rs.num_token_gaps):
                 self.itl.observe(itl)
 
