@@ -1,0 +1,88 @@
+"""Render the Helm chart (Helm's own Go engine through helm-python-sdk, offline) and run the image's entrypoint
+with the project's argument parser behind it."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "deploy" / "helm" / "pagedserve"
+DASHBOARD = CHART / "dashboards" / "pagedserve.json"
+ENTRYPOINT = ROOT / "deploy" / "docker" / "entrypoint.sh"
+DOCKERFILE = ROOT / "deploy" / "docker" / "Dockerfile"
+SCHEMAS = Path(__file__).resolve().parent
+RELEASE, NAMESPACE = "demo", "llm"
+
+
+def render(values: dict | None = None) -> list[dict]:
+    helm = pytest.importorskip("helm_python", reason="helm-python-sdk (the test extra) renders the chart")
+    with helm.Chart.load(str(CHART)) as chart:
+        manifests = chart.render(values or {}, name=RELEASE, namespace=NAMESPACE)
+    return [doc for text in manifests.values() for doc in yaml.safe_load_all(text) if doc]
+
+
+def by_kind(objects: list[dict]) -> dict[str, dict]:
+    kinds = [o["kind"] for o in objects]
+    assert len(kinds) == len(set(kinds)), kinds  # the chart makes at most one object of each kind
+    return {o["kind"]: o for o in objects}
+
+
+def load_schema(name: str) -> dict:
+    return json.loads((SCHEMAS / name).read_text())
+
+
+# Stands in for the `pagedserve` console script on PATH and prints the argv it was given; the test then parses
+# it with the real parser, so it sees exactly what `pagedserve serve` would have been started with.
+_PRINT_ARGV = "#!/bin/sh\nexec {python} -c 'import json, sys; print(json.dumps(sys.argv[1:]))' \"$@\"\n"
+
+
+def run_entrypoint(tmp_path: Path, args: list[str], env: dict[str, str]) -> dict:
+    """The image's entrypoint with `args` and `env` (plus the image's ENV); returns the parsed serve flags."""
+    from pagedserve.cli import build_parser
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    fake = bin_dir / "pagedserve"
+    fake.write_text(_PRINT_ARGV.format(python=sys.executable))
+    fake.chmod(0o755)
+    full_env = {"PATH": f"{bin_dir}:/usr/bin:/bin", **image_env(), **env}
+    proc = subprocess.run(["sh", str(ENTRYPOINT), *args], env=full_env, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    parsed = build_parser().parse_args(json.loads(proc.stdout))
+    return {k: v for k, v in vars(parsed).items() if k != "func"}
+
+
+def image_env() -> dict[str, str]:
+    """The Dockerfile's ENV settings (the PAGEDSERVE_* ones the entrypoint reads)."""
+    text = DOCKERFILE.read_text().replace("\\\n", " ")
+    env = {}
+    for line in text.splitlines():
+        if line.startswith("ENV "):
+            for pair in line[4:].split():
+                key, _, value = pair.partition("=")
+                if key.startswith("PAGEDSERVE_"):
+                    env[key] = value
+    return env
+
+
+def parser_has_flag(flag: str) -> bool:
+    from pagedserve.cli import build_parser
+
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]
+    return flag in serve._option_string_actions
+
+
+def container(objects: list[dict]) -> dict:
+    return by_kind(objects)["Deployment"]["spec"]["template"]["spec"]["containers"][0]
+
+
+def env_file_vars(c: dict) -> dict:
+    return {e["name"]: e for e in c.get("env", [])}
+
+
