@@ -52,7 +52,7 @@ def run_point(url: str, concurrency: int, args: argparse.Namespace) -> dict:
     sampler = threading.Thread(target=sample_waiting, args=(url, stop, samples), daemon=True)
     sampler.start()
     try:
-        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     finally:
         stop.set()
         sampler.join()
@@ -75,11 +75,11 @@ def threshold_for(points: list[dict], slo_s: float) -> float | None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--max-num-seqs", type=int, default=4)
-    p.add_argument("--concurrency", type=int, nargs="+", default=[2, 4, 6, 8, 12, 16])
-    p.add_argument("--prompts-per-slot", type=int, default=3, help="requests per point = this x concurrency")
-    p.add_argument("--input-len", default="64-128")
-    p.add_argument("--output-len", type=int, default=32)
-    p.add_argument("--num-threads", type=int, default=2)
+    p.add_argument("--concurrency", type=int, nargs="+", default=[2, 4, 8, 12])
+    p.add_argument("--prompts-per-slot", type=int, default=2, help="requests per point = this x concurrency")
+    p.add_argument("--input-len", default="32-64")
+    p.add_argument("--output-len", type=int, default=16)
+    p.add_argument("--num-threads", type=int, default=1)
     p.add_argument("--slo", type=float, nargs="+", default=[0.5, 1.0, 2.0], help="TTFT p99 targets, seconds")
     p.add_argument("--out", default=None)
     args = p.parse_args()

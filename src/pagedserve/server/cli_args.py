@@ -84,12 +84,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     exit_code = 0
     try:
         from pagedserve import envs
+
+        if args.api_key is None:
+            args.api_key = envs.api_key()  # checked before the slow imports: a bad key fails at once
         from pagedserve.engine.arg_utils import EngineArgs
         from pagedserve.engine.async_engine import AsyncLLMEngine
         from pagedserve.server.app import run_server
 
-        if args.api_key is None:
-            args.api_key = envs.api_key()
         config = EngineArgs.from_cli_args(args).create_engine_config()
         engine = AsyncLLMEngine.from_config(config)
         name = (args.served_model_name or [args.model or engine.model_name])[0]
