@@ -51,9 +51,10 @@ def test_alerts_fire_on_the_right_series(rules_file, tmp_path):
         # 10 first tokens a minute, all between 1 s and 2.5 s: p99 interpolates to 2.485 s, above the 2 s SLO.
         series(ttft, f'{p1},le="1"', "0x20"), series(ttft, f'{p1},le="2.5"', "0+10x20"),
         series(ttft, f'{p1},le="+Inf"', "0+10x20"),
-        # 1 of 10 responses is a 5xx: 10%, above 5%.
-        series("http_requests_total", f'{p1},status="5xx"', "0+1x20"),
-        series("http_requests_total", f'{p1},status="2xx"', "0+9x20"),
+        # 1 of 10 API responses is a 5xx: 10%, above 5%; the probes' 2xx on /health do not dilute it.
+        series("http_requests_total", f'{p1},handler="/v1/completions",status="5xx"', "0+1x20"),
+        series("http_requests_total", f'{p1},handler="/v1/chat/completions",status="2xx"', "0+9x20"),
+        series("http_requests_total", f'{p1},handler="/health",status="2xx"', "0+100x20"),
         # 12 preemptions a minute on p1 (0.2/s, above 0.1/s); 3 a minute on p2 (0.05/s).
         series("vllm:num_preemptions_total", p1, "0+12x20"), series("vllm:num_preemptions_total", p2, "0+3x20"),
     ]
