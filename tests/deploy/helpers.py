@@ -58,17 +58,19 @@ def run_entrypoint(tmp_path: Path, args: list[str], env: dict[str, str]) -> dict
     return {k: v for k, v in vars(parsed).items() if k != "func"}
 
 
+def dockerfile_commands() -> list:
+    # BuildKit's own parser (the `dockerfile` wheel wraps it): a syntax error fails here as in `docker build`.
+    dockerfile = pytest.importorskip("dockerfile", reason="the dockerfile package (test extra) parses the image")
+    return list(dockerfile.parse_file(str(DOCKERFILE)))
+
+
 def image_env() -> dict[str, str]:
     """The Dockerfile's ENV settings (the PAGEDSERVE_* ones the entrypoint reads)."""
-    text = DOCKERFILE.read_text().replace("\\\n", " ")
     env = {}
-    for line in text.splitlines():
-        if line.startswith("ENV "):
-            for pair in line[4:].split():
-                key, _, value = pair.partition("=")
-                if key.startswith("PAGEDSERVE_"):
-                    env[key] = value
-    return env
+    for c in dockerfile_commands():
+        if c.cmd == "ENV":
+            env.update(zip(c.value[::2], c.value[1::2]))
+    return {k: v for k, v in env.items() if k.startswith("PAGEDSERVE_")}
 
 
 def parser_has_flag(flag: str) -> bool:

