@@ -2,6 +2,8 @@
 with the project's argument parser behind it."""
 from __future__ import annotations
 
+import functools
+import importlib.util
 import json
 import subprocess
 import sys
@@ -19,10 +21,29 @@ SCHEMAS = Path(__file__).resolve().parent
 RELEASE, NAMESPACE = "demo", "llm"
 
 
+# Rendered in a child process: helm-python-sdk loads Helm's Go runtime into the process, and the rest of the
+# suite forks workers and handles signals in the pytest process, which should not host a second runtime.
+_RENDER = """
+import json, sys
+import helm_python as helm
+with helm.Chart.load(sys.argv[1]) as chart:
+    print(json.dumps(chart.render(json.load(sys.stdin), name=sys.argv[2], namespace=sys.argv[3])))
+"""
+
+
+@functools.lru_cache(maxsize=None)
+def _render_json(values_json: str) -> str:
+    proc = subprocess.run([sys.executable, "-c", _RENDER, str(CHART), RELEASE, NAMESPACE], input=values_json,
+                          capture_output=True, text=True, timeout=120)
+    if proc.returncode != 0:
+        raise RuntimeError(f"helm render failed:\n{proc.stderr}")
+    return proc.stdout
+
+
 def render(values: dict | None = None) -> list[dict]:
-    helm = pytest.importorskip("helm_python", reason="helm-python-sdk (the test extra) renders the chart")
-    with helm.Chart.load(str(CHART)) as chart:
-        manifests = chart.render(values or {}, name=RELEASE, namespace=NAMESPACE)
+    if importlib.util.find_spec("helm_python") is None:
+        pytest.skip("helm-python-sdk (the test extra) renders the chart")
+    manifests = json.loads(_render_json(json.dumps(values or {}, sort_keys=True)))
     return [doc for text in manifests.values() for doc in yaml.safe_load_all(text) if doc]
 
 

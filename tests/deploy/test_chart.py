@@ -158,3 +158,15 @@ def test_api_key_comes_from_a_secret(name):
         assert ref == {"name": secret["metadata"]["name"], "key": "api-key"}
         assert base64.b64decode(secret["data"]["api-key"]).decode() == "s3cret"
         assert "s3cret" not in str(kinds["Deployment"])  # a checksum annotation rolls pods, not the value
+
+
+@pytest.mark.parametrize("values, where", [
+    ({"autoscaling": {"engine": "kedaa"}}, "engine"),
+    ({"server": {"tensorParallelSize": 0}}, "tensorParallelSize"),
+    ({"server": {"metricsPrefix": "vlm"}}, "metricsPrefix"),
+    ({"prometheusRule": {"kvCacheUsage": 90}}, "kvCacheUsage"),
+])
+def test_values_schema_refuses_typos(values, where):
+    # Without values.schema.json engine "kedaa" would render no autoscaler at all, silently.
+    with pytest.raises(RuntimeError, match=where):
+        render(values)
