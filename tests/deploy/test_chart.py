@@ -9,7 +9,8 @@ import pytest
 from tests.deploy.helpers import (RELEASE, by_kind, container, env_file_vars, load_schema, parser_has_flag, render,
                                   run_entrypoint)
 
-K8S_VERSION = "1.30"  # the oldest Kubernetes the chart's fields need (the preStop/probe fields are older)
+# The chart's kubeVersion floor (Chart.yaml) and the newest schemas kubernetes-validate ships.
+K8S_VERSIONS = ("1.25", "1.37")
 FULLNAME = f"{RELEASE}-pagedserve"
 CRD_SCHEMAS = {"ScaledObject": "keda_scaledobject_schema.json", "ServiceMonitor": "servicemonitor_schema.json",
                "PrometheusRule": "prometheusrule_schema.json"}
@@ -43,7 +44,8 @@ def test_every_object_validates(case):
             jsonschema.validate(obj, load_schema(CRD_SCHEMAS[obj["kind"]]))
         else:
             # strict: unknown fields (a typo, a field at the wrong level) are errors, as kubectl's are.
-            kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+            for version in K8S_VERSIONS:
+                kubernetes_validate.validate(obj, version, strict=True)
         assert obj["metadata"]["name"].startswith(FULLNAME), obj["metadata"]["name"]
 
 
