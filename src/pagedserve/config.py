@@ -107,12 +107,69 @@ class DeviceConfig:
         return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+# Measured on CPU (benchmarks/speculative.py): speculation stops paying once the batch alone keeps the
+# matrix units busy, because each request's k drafts then cost nearly k decode tokens of compute.
+SPEC_DISABLE_BY_BATCH_SIZE = 8
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """vLLM's --speculative-config: drafts are extra query tokens of a step, verified in one forward pass."""
+    method: str = "ngram"
+    num_speculative_tokens: int = 3
+    prompt_lookup_min: int = 1          # ngram: shortest suffix looked up in the sequence
+    prompt_lookup_max: int = 3          # ngram: longest suffix tried first
+    model: str | None = None            # draft_model: GGUF file or HF directory
+    # No drafts in a step whose running batch holds more requests than this (vLLM V0's
+    # speculative_disable_by_batch_size); None = never off.
+    disable_by_batch_size: int | None = SPEC_DISABLE_BY_BATCH_SIZE
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative method must be one of {', '.join(SPECULATIVE_METHODS)}, "
+                             f"got {self.method!r}")
+        if self.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {self.prompt_lookup_min} "
+                             f"and {self.prompt_lookup_max}")
+        if self.method == "draft_model" and not self.model:
+            raise ValueError("speculative method 'draft_model' needs 'model' (the draft's path)")
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
+            raise ValueError(f"disable_by_batch_size must be >= 1, got {self.disable_by_batch_size}")
+
+    @classmethod
+    def parse(cls, value: "SpeculativeConfig | dict | str | None") -> "SpeculativeConfig | None":
+        # The JSON of --speculative-config, a dict from LLM(speculative_config=...), or a config.
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            import json
+
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"speculative_config is not valid JSON: {exc}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}")
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"unknown speculative_config keys {unknown}; known: {sorted(known)}")
+        try:
+            return cls(**value)
+        except TypeError as exc:
+            raise ValueError(f"bad speculative_config: {exc}") from None
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
+    speculative: SpeculativeConfig | None = None
 
 
 def resolve_limits(config: EngineConfig, model_max_len: int, num_blocks: int) -> EngineConfig:

@@ -37,6 +37,9 @@ class Request:
     # Tokens whose K/V is in the cache. Prefill, chunked prefill, prefix hits and recompute after
     # preemption all just move this towards num_tokens.
     num_computed_tokens: int = 0
+    # Speculative decoding: draft tokens proposed after the last step, verified in the next one. They are
+    # never part of all_token_ids; the scheduler schedules them after the last token (1 + k query tokens).
+    spec_token_ids: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0       # prompt tokens served by the prefix cache on first schedule
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None

@@ -40,6 +40,7 @@ class _PlanBuilder:
         self.num_scheduled_tokens: dict[str, int] = {}
         self.num_prompt_tokens = 0
         self.num_sampling_reqs = 0
+        self.spec_tokens: dict[str, list[int]] = {}
 
 
 class Scheduler:
@@ -105,7 +106,12 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_new += self._trim_drafts(req, budget - num_new)
             while (new_ids := self.kv.allocate_slots(req, num_new)) is None:
+                if req.spec_token_ids:  # drop the drafts before preempting anyone
+                    num_new -= len(req.spec_token_ids)
+                    req.spec_token_ids = []
+                    continue
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted.append(victim.req_id)
@@ -158,7 +164,19 @@ class Scheduler:
         finished, self._finished_since_plan = self._finished_since_plan, []
         return SchedulerOutput(plan.new_reqs, plan.cached, plan.num_scheduled_tokens,
                                self.config.max_num_batched_tokens - budget, preempted, finished,
-                               self.kv.take_block_ops(), plan.num_prompt_tokens, plan.num_sampling_reqs)
+                               self.kv.take_block_ops(), plan.num_prompt_tokens, plan.num_sampling_reqs,
+                               plan.spec_tokens)
+
+    def _trim_drafts(self, req: Request, budget_left: int) -> int:
+        # Drafts ride only on a decode step (all tokens but the last computed) and never reach past the
+        # request's last possible token: with a accepted drafts the step emits a + 1 tokens.
+        if not req.spec_token_ids:
+            return 0
+        room = min(self.max_model_len, req.num_prompt_tokens + req.max_tokens) - req.num_tokens - 1
+        if req.num_computed_tokens != req.num_tokens - 1:
+            room = 0
+        del req.spec_token_ids[max(0, min(room, budget_left)):]
+        return len(req.spec_token_ids)
 
     def _admit(self, req: Request) -> None:
         self.waiting.popleft()
@@ -184,7 +202,13 @@ class Scheduler:
         start = req.num_computed_tokens
         plan.num_scheduled_tokens[req.req_id] = num_new
         plan.num_prompt_tokens += max(0, min(req.num_prompt_tokens, start + num_new) - start)
-        plan.num_sampling_reqs += start + num_new == req.num_tokens
+        # Scheduled drafts sit after the last token: the step samples when it reaches num_tokens + drafts.
+        num_drafts = len(req.spec_token_ids)
+        if num_drafts and start + num_new == req.num_tokens + num_drafts:
+            plan.spec_tokens[req.req_id] = list(req.spec_token_ids)
+        else:
+            num_drafts = 0
+        plan.num_sampling_reqs += start + num_new - num_drafts == req.num_tokens
         blocks = self.kv.req_blocks[req.req_id]
         view = self._worker_views.get(req.req_id)
         if view is None:
@@ -209,6 +233,7 @@ class Scheduler:
         else:
             self.kv.free(req, finished=False)
             req.num_computed_tokens = 0
+        req.spec_token_ids = []
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions_total += 1
@@ -223,20 +248,46 @@ class Scheduler:
             if req is None or req.status is not RequestStatus.RUNNING:  # finished while the step ran
                 continue
             req.num_computed_tokens += num_new
-            self.kv.cache_blocks(req)
             if req.num_computed_tokens < req.num_tokens:
+                self.kv.cache_blocks(req)
                 continue
             j = sampled[req.req_id]
-            req.append_token(result.sampled_token_ids[j])
+            status = self._append_step_tokens(req, plan.scheduled_spec_decode_tokens.get(req_id, ()), result, j)
             if req.req_id in self.pending_forks:
                 self._release_forks(req)
-            if result.logprobs is not None:
-                req.cumulative_logprob += result.logprobs[j]
-            status = req.check_stop(self.max_model_len)
             if status is not None:
                 self.finish_request(req.req_id, status)
             updated.append(req)
         return updated
+
+    def _append_step_tokens(self, req: Request, drafts, result: ModelRunnerOutput, j: int) -> RequestStatus | None:
+        # The step emits the accepted drafts and then the sampled token, stopping at the first that ends the
+        # request (a stop token, min/max tokens, max_model_len).
+        #
+        #   scheduled:  [last][d1][d2][d3]       accepted d1, d2; d3 rejected
+        #   K/V kept:   [last][d1][d2]           num_computed rolls back over d3: its slot is written again
+        #   emitted:         d1  d2  x           x: the recovered token sampled at d3's position
+        accepted: list[int] = []
+        spec = result.spec
+        if drafts:
+            accepted = spec.accepted_token_ids[j]
+            req.num_computed_tokens -= len(drafts) - len(accepted)
+        req.spec_token_ids = []
+        tokens = accepted + [result.sampled_token_ids[j]]
+        status = None
+        for i, token in enumerate(tokens):
+            req.append_token(token)
+            if result.logprobs is not None:
+                last = i == len(tokens) - 1
+                req.cumulative_logprob += result.logprobs[j] if last else spec.logprobs[j][i]
+            status = req.check_stop(self.max_model_len)
+            if status is not None:
+                break
+        # A truncated step computed K/V past its last emitted token; only the emitted tokens are known.
+        req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens)
+        # Only now: blocks hashed into the prefix cache hold verified tokens only.
+        self.kv.cache_blocks(req)
+        return status
 
     def finish_request(self, req_id: str, status: RequestStatus) -> Request | None:
         req = self.requests.pop(req_id, None)

@@ -54,6 +54,9 @@ class SchedulerOutput:
     # For metrics: prompt tokens computed this step (prefix hits excluded), and requests that sample.
     num_scheduled_prompt_tokens: int = 0
     num_sampling_reqs: int = 0
+    # Speculative decoding: the draft tokens scheduled after each request's last token (its last
+    # len(drafts) scheduled tokens). The worker verifies them and samples one token more.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -85,6 +88,40 @@ class ModelRunnerOutput:
     ranks: list[int] | None = None                           # rank of each sampled token
     # Only requests with SamplingParams.prompt_logprobs whose step covered prompt positions; None when none.
     prompt_logprobs: dict[str, PromptLogprobsChunk] | None = None
+    # Speculative decoding; None when no request in the step had drafts.
+    spec: SpecDecodeOutput | None = None
+
+
+@dataclass(slots=True)
+class SpecDecodeOutput:
+    # Per row of the ModelRunnerOutput: the draft tokens the request accepted, which come before its
+    # sampled token (the recovered or bonus one), and how many drafts it verified.
+    accepted_token_ids: list[list[int]]
+    num_draft_tokens: list[int]
+    # Of each accepted token, as the ModelRunnerOutput's own fields are of the sampled one; None when no row
+    # asked for logprobs.
+    logprobs: list[list[float]] | None = None
+    ranks: list[list[int]] | None = None
+    top_logprobs: list[list[list[tuple[int, float]]]] | None = None
+
+    @staticmethod
+    def merge(parts: list[tuple[int, SpecDecodeOutput | None]]) -> SpecDecodeOutput | None:
+        # (number of rows, spec output) of runner outputs concatenated row-wise; rows without drafts get
+        # empty entries so every list stays aligned with the merged rows.
+        if all(spec is None for _, spec in parts):
+            return None
+        with_logprobs = any(spec is not None and spec.logprobs is not None for _, spec in parts)
+        merged = SpecDecodeOutput([], [], [] if with_logprobs else None, [] if with_logprobs else None,
+                                  [] if with_logprobs else None)
+        for n, spec in parts:
+            merged.accepted_token_ids += spec.accepted_token_ids if spec else [[] for _ in range(n)]
+            merged.num_draft_tokens += spec.num_draft_tokens if spec else [0] * n
+            if with_logprobs:
+                has = spec is not None and spec.logprobs is not None
+                merged.logprobs += spec.logprobs if has else [[] for _ in range(n)]
+                merged.ranks += spec.ranks if has else [[] for _ in range(n)]
+                merged.top_logprobs += spec.top_logprobs if has else [[] for _ in range(n)]
+        return merged
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,10 +22,12 @@ from pagedserve.config import EngineConfig, resolve_limits
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.request import Request, RequestStatus
 from pagedserve.core.scheduler import Scheduler
-from pagedserve.core.scheduler_output import ModelRunnerOutput, PromptLogprobsChunk, SchedulerOutput
+from pagedserve.core.scheduler_output import (ModelRunnerOutput, PromptLogprobsChunk, SchedulerOutput,
+                                              SpecDecodeOutput)
 from pagedserve.metrics.stats import EngineStats, RequestStats
 from pagedserve.model.loader import load_model
 from pagedserve.sampling_params import SamplingParams
+from pagedserve.spec_decode.proposer import make_proposer
 from pagedserve.worker.kv_cache import allocate_host_caches, allocate_kv_caches, kv_bytes_per_block
 from pagedserve.worker.memory import plan_num_blocks
 from pagedserve.worker.model_runner import ModelRunner
@@ -113,6 +115,7 @@ class EngineCore:
             self.runner.host_caches = allocate_host_caches(hf.num_hidden_layers, num_host_blocks, bs,
                                                            num_kv_heads, head_dim, dtype, device)
         self.stats = EngineStats()
+        self.proposer = make_proposer(config.speculative)
         # Samples of one user request (a sample's group is the sample it forks, or itself), so metrics count
         # a request once when its last sample ends, as vLLM does.
         self._group_of: dict[str, str] = {}
@@ -182,22 +185,26 @@ class EngineCore:
                 self._record_finished(req)
                 outputs.append(EngineCoreOutput(req_id, [], "error", error=message,
                                                 stats=RequestStats.from_request(req)))
+        requests = self.scheduler.requests
+        num_before = {rid: requests[rid].num_output_tokens for rid in result.req_ids if rid in requests}
         updated = self.scheduler.update(plan, result)
         now = time.monotonic()
         row_of = {rid: j for j, rid in enumerate(result.req_ids)}
+        num_emitted = 0
         for req in updated:
             if req.first_token_time is None:
                 req.first_token_time = now
             req.last_token_time = now
-            out = EngineCoreOutput(req.req_id, req.output_token_ids[-1:], cumulative_logprob=req.cumulative_logprob,
+            # One token per step, or with speculation the accepted drafts and the sampled token (cut at a stop).
+            new_ids = req.output_token_ids[num_before[req.req_id]:]
+            num_emitted += len(new_ids)
+            out = EngineCoreOutput(req.req_id, new_ids, cumulative_logprob=req.cumulative_logprob,
                                    num_cached_tokens=req.num_cached_tokens)
             j = row_of[req.req_id]
             if result.prompt_logprobs:
                 out.prompt_logprobs = result.prompt_logprobs.get(req.req_id)
             if result.logprobs is not None and req.params.logprobs is not None:
-                rank = result.ranks[j] if result.ranks is not None else None
-                top = result.top_logprobs[j] if result.top_logprobs is not None else []
-                out.new_logprobs = SampledLogprobs([result.logprobs[j]], [rank], [top])
+                out.new_logprobs = _emitted_logprobs(result, j, len(new_ids))
             if req.status.is_finished:
                 out.finish_reason = req.status.value
                 out.stop_reason = req.stop_reason
@@ -206,8 +213,22 @@ class EngineCore:
             outputs.append(out)
         if result.prompt_logprobs:
             outputs.extend(self._prompt_logprob_outputs(result.prompt_logprobs, {o.req_id for o in outputs}))
-        self.stats.record_step(plan, self.scheduler.stats(), time.perf_counter() - t0)
+        if result.spec is not None:
+            self.stats.spec.record(result.spec)
+        if self.proposer is not None:
+            self._propose(updated)
+        self.stats.record_step(plan, self.scheduler.stats(), time.perf_counter() - t0, num_emitted)
         return outputs
+
+    def _propose(self, updated: list[Request]) -> None:
+        # Drafts for the next step. Above disable_by_batch_size running requests they would cost more
+        # compute than they save, so that step decodes without them.
+        limit = self.config.speculative.disable_by_batch_size
+        if limit is not None and len(self.scheduler.running) > limit:
+            return
+        for req in updated:
+            if req.status is RequestStatus.RUNNING:
+                req.spec_token_ids = self.proposer.propose(req.all_token_ids)
 
     def _prompt_logprob_outputs(self, chunks: dict[str, PromptLogprobsChunk],
                                 taken: set[str]) -> list[EngineCoreOutput]:
@@ -243,6 +264,19 @@ class EngineCore:
         return merge_runner_outputs(parts)
 
 
+def _emitted_logprobs(result: ModelRunnerOutput, j: int, num_tokens: int) -> SampledLogprobs:
+    # The accepted drafts' logprobs come first, then the sampled token's; a stop can cut the list short.
+    logprobs = [result.logprobs[j]]
+    ranks = [result.ranks[j] if result.ranks is not None else None]
+    top = [result.top_logprobs[j] if result.top_logprobs is not None else []]
+    spec = result.spec
+    if spec is not None and spec.logprobs is not None and spec.accepted_token_ids[j]:
+        logprobs = spec.logprobs[j] + logprobs
+        ranks = spec.ranks[j] + ranks
+        top = spec.top_logprobs[j] + top
+    return SampledLogprobs(logprobs[:num_tokens], ranks[:num_tokens], top[:num_tokens])
+
+
 def merge_runner_outputs(parts: list[ModelRunnerOutput]) -> ModelRunnerOutput:
     merged = ModelRunnerOutput([], [])
     want_logprobs = any(p.logprobs is not None for p in parts)
@@ -259,6 +293,7 @@ def merge_runner_outputs(parts: list[ModelRunnerOutput]) -> ModelRunnerOutput:
             merged.ranks += p.ranks if p.ranks is not None else [None] * n
         if p.prompt_logprobs:
             merged.prompt_logprobs = {**(merged.prompt_logprobs or {}), **p.prompt_logprobs}
+    merged.spec = SpecDecodeOutput.merge([(len(p.req_ids), p.spec) for p in parts])
     return merged
 
 

@@ -70,6 +70,38 @@ class RequestStats:
 
 
 @dataclass(slots=True)
+class SpecDecodingStats:
+    # vLLM's spec_decode_* counters. A draft is one request's drafts verified in one step.
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)  # [i]: drafts accepted at position i
+
+    def record(self, spec) -> None:
+        # spec: a SpecDecodeOutput (one step's verified drafts).
+        per_pos = self.num_accepted_tokens_per_pos
+        for accepted, num_drafts in zip(spec.accepted_token_ids, spec.num_draft_tokens):
+            if not num_drafts:
+                continue
+            self.num_drafts += 1
+            self.num_draft_tokens += num_drafts
+            self.num_accepted_tokens += len(accepted)
+            if len(per_pos) < num_drafts:
+                per_pos.extend([0] * (num_drafts - len(per_pos)))
+            for i in range(len(accepted)):
+                per_pos[i] += 1
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+
+    @property
+    def mean_acceptance_length(self) -> float | None:
+        # Tokens emitted per verifying step: the accepted drafts plus the one sampled token.
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else None
+
+
+@dataclass(slots=True)
 class EngineStats:
     num_prompt_tokens_total: int = 0       # prompt tokens computed (prefix hits excluded)
     num_generation_tokens_total: int = 0
@@ -79,15 +111,19 @@ class EngineStats:
     num_aborted: int = 0
     finished_by_reason: Counter = field(default_factory=Counter)
     scheduler: SchedulerStats | None = None
+    spec: SpecDecodingStats = field(default_factory=SpecDecodingStats)
     # Exporters subscribe here; called with each finished request's stats.
     on_finished: list[Callable[[RequestStats], None]] = field(default_factory=list)
 
-    def record_step(self, plan: SchedulerOutput, sched: SchedulerStats, step_time: float) -> None:
+    def record_step(self, plan: SchedulerOutput, sched: SchedulerStats, step_time: float,
+                    num_generated: int | None = None) -> None:
+        # num_generated: tokens the step emitted (with speculation, several per request); default one per
+        # sampling request.
         self.num_steps += 1
         self.step_time_total += step_time
         self.scheduler = sched
         self.num_prompt_tokens_total += plan.num_scheduled_prompt_tokens
-        self.num_generation_tokens_total += plan.num_sampling_reqs
+        self.num_generation_tokens_total += plan.num_sampling_reqs if num_generated is None else num_generated
 
     def record_finished(self, samples: list) -> None:
         # samples: the finished Requests of one user request.

@@ -168,17 +168,8 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     if batch.no_processing:
         return SamplerOutput(sampled_token_ids=logits.argmax(dim=-1).tolist())
 
-    # A private fp32 copy: the caller's logits stay intact and raw logprobs come from them.
-    logits = logits.to(torch.float32, copy=True)
-    raw_logprobs = logits.log_softmax(dim=-1) if batch.max_num_logprobs is not None else None
-    if batch.allowed_mask is not None:
-        logits.masked_fill_(~batch.allowed_mask, _NEG_INF)
-    if batch.bias_rows is not None:
-        logits.index_put_((batch.bias_rows, batch.bias_token_ids), batch.bias_values, accumulate=True)
-    if batch.banned_rows is not None:
-        logits[batch.banned_rows, batch.banned_token_ids] = _NEG_INF
-    if batch.output_counts is not None:
-        logits = apply_penalties(logits, batch)
+    raw_logprobs = logits.float().log_softmax(dim=-1) if batch.max_num_logprobs is not None else None
+    logits = apply_logits_processors(logits, batch)
 
     greedy_ids = None if batch.all_random else logits.argmax(dim=-1)
     if batch.all_greedy:
@@ -192,6 +183,21 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     if raw_logprobs is not None:
         out.logprobs, out.ranks, out.top_logprobs = compute_logprobs(raw_logprobs, token_ids, batch.num_logprobs)
     return out
+
+
+def apply_logits_processors(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    # Everything before greedy / random selection, on a private fp32 copy (the caller's logits stay intact).
+    # Speculative decoding runs the same steps on each draft position (spec_decode/rejection_sampler.py).
+    logits = logits.to(torch.float32, copy=True)
+    if batch.allowed_mask is not None:
+        logits.masked_fill_(~batch.allowed_mask, _NEG_INF)
+    if batch.bias_rows is not None:
+        logits.index_put_((batch.bias_rows, batch.bias_token_ids), batch.bias_values, accumulate=True)
+    if batch.banned_rows is not None:
+        logits[batch.banned_rows, batch.banned_token_ids] = _NEG_INF
+    if batch.output_counts is not None:
+        logits = apply_penalties(logits, batch)
+    return logits
 
 
 class Sampler:
@@ -215,20 +221,30 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 
 
 def _sample_random(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    return draw(random_probs(logits, batch), batch.generators)
+
+
+def random_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    # temperature -> top-k -> top-p -> softmax -> min-p. Rows are not renormalized after min-p.
     logits = logits / batch.temperature.unsqueeze(1)
     if batch.top_k is not None or batch.top_p is not None:
         logits = apply_top_k_top_p(logits, batch.top_k, batch.max_top_k, batch.top_p)
     probs = logits.softmax(dim=-1)
     if batch.min_p is not None:
-        # The race below is scale-invariant per row, so masked probs need no renormalization.
+        # The race in draw() is scale-invariant per row, so masked probs need no renormalization.
         threshold = batch.min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
         probs = probs.masked_fill(probs < threshold, 0.0)
+    return probs
+
+
+def draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    # One token per row with probability proportional to the row (unnormalized is fine): the exponential race.
     q = torch.empty_like(probs)
-    gens = batch.generators
+    gens = generators
     if all(g is gens[0] for g in gens):  # one stream for the whole batch (the engine's, or torch's default)
         q.exponential_(generator=gens[0] if gens else None)
     else:
-        for i, g in enumerate(batch.generators):
+        for i, g in enumerate(gens):
             q[i].exponential_(generator=g)
     # exponential_ can return exactly 0; a zero would turn a masked 0/0 into NaN.
     q.clamp_(min=torch.finfo(q.dtype).tiny)

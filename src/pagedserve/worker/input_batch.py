@@ -50,6 +50,9 @@ class InputBatch:
         self.block_table = np.zeros((max_num_reqs, max_blocks), dtype=np.int64)
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
         self.free_rows = list(range(max_num_reqs - 1, -1, -1))  # pop() hands out row 0 first
+        # This plan's draft tokens by request. They sit in token_ids right after a row's num_tokens tokens,
+        # which they never count in: the next plan's tokens overwrite them.
+        self.spec_token_ids: dict[str, list[int]] = {}
 
     def row_of(self, req_id: str) -> int:
         row = self.requests[req_id].row
@@ -67,6 +70,12 @@ class InputBatch:
         for new in plan.scheduled_new_reqs:
             self._add(new, make_generator)
         self._update(plan.scheduled_cached_reqs)
+        self.spec_token_ids = plan.scheduled_spec_decode_tokens
+        for req_id, drafts in self.spec_token_ids.items():
+            row = self.row_of(req_id)
+            n = int(self.num_tokens[row])
+            self._ensure_columns(n + len(drafts), 0)
+            self.token_ids[row, n:n + len(drafts)] = drafts
 
     def _add(self, new: NewRequestData, make_generator: Callable[[int], torch.Generator]) -> None:
         p = new.sampling_params

@@ -11,8 +11,9 @@ import numpy as np
 import torch
 
 from pagedserve.attention.metadata import AttentionMetadata
-from pagedserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from pagedserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput, SpecDecodeOutput
 from pagedserve.sample.sampler import Sampler, SamplingBatch, SamplingRow, make_generator
+from pagedserve.spec_decode.rejection_sampler import rejection_sample
 from pagedserve.worker.input_batch import InputBatch
 from pagedserve.worker.kv_cache import apply_block_ops
 from pagedserve.worker.prompt_logprobs import compute_prompt_logprobs, prompt_span
@@ -70,6 +71,8 @@ class ModelRunner:
         else:
             seq_idx = np.repeat(np.arange(num_seqs), query_lens)
             positions = np.arange(qsl[-1], dtype=np.int64) - qsl[seq_idx] + starts[seq_idx]
+        num_spec = np.fromiter((len(batch.spec_token_ids.get(r, ())) for r in req_ids), dtype=np.int64,
+                               count=num_seqs)
         input_ids = batch.token_ids[rows[seq_idx], positions].astype(np.int64)
         slots = tables[seq_idx, positions // bs] * bs + positions % bs
         dev = self.device
@@ -79,7 +82,7 @@ class ModelRunner:
             query_start_loc=as_tensor(qsl), seq_lens_list=seq_lens.tolist(), query_lens_list=query_lens,
             block_size=bs)
         return StepInputs(as_tensor(input_ids), as_tensor(positions), meta, req_ids, query_lens, starts,
-                          seq_lens == batch.num_tokens[rows])
+                          seq_lens == batch.num_tokens[rows] + num_spec)
 
     def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
         self.update_states(plan)
@@ -102,9 +105,11 @@ class ModelRunner:
         # The LM head runs only on each sampled request's last token, plus every prompt row of requests that
         # asked for prompt logprobs (worker/prompt_logprobs.py).
         requests = self.input_batch.requests
+        spec = self.input_batch.spec_token_ids
         sample_idx = []
         rows = []
         req_ids = []
+        drafts = []
         prompt_spans = []
         end = 0
         for i, req_id in enumerate(step.req_ids):
@@ -118,15 +123,42 @@ class ModelRunner:
             end += num_new
             if not step.sample[i]:
                 continue
-            sample_idx.append(end - 1)
             req_ids.append(req_id)
-            rows.append(SamplingRow(state.params, state.prompt_token_ids, state.output_token_ids,
-                                    self.generator if state.generator is None else state.generator,
-                                    state.eos_token_ids))
+            gen = self.generator if state.generator is None else state.generator
+            req_drafts = spec.get(req_id, [])
+            drafts.append(req_drafts)
+            # A request with k drafts samples at its last k + 1 positions; at each one, penalties and
+            # min_tokens see the drafts before it as output tokens.
+            for i in range(len(req_drafts) + 1):
+                sample_idx.append(end - 1 - len(req_drafts) + i)
+                out_ids = state.output_token_ids + req_drafts[:i] if i else state.output_token_ids
+                rows.append(SamplingRow(state.params, state.prompt_token_ids, out_ids, gen, state.eos_token_ids))
         prompt_logprobs = compute_prompt_logprobs(self.model, hidden, prompt_spans) if prompt_spans else None
         if not rows:
             return ModelRunnerOutput([], [], prompt_logprobs=prompt_logprobs)
         logits = self.model.compute_logits(hidden[torch.tensor(sample_idx, device=hidden.device)])
-        out = self.sampler(logits, SamplingBatch.build(rows, self.vocab_size, logits.device))
+        batch = SamplingBatch.build(rows, self.vocab_size, logits.device)
+        if spec:
+            return verify_output(req_ids, drafts, logits, batch, prompt_logprobs)
+        out = self.sampler(logits, batch)
         return ModelRunnerOutput(req_ids, out.sampled_token_ids, out.logprobs, out.top_logprobs, out.ranks,
                                  prompt_logprobs)
+
+
+def verify_output(req_ids: list[str], drafts: list[list[int]], logits: torch.Tensor, batch: SamplingBatch,
+                  prompt_logprobs) -> ModelRunnerOutput:
+    # Speculative step: each row's accepted drafts go in SpecDecodeOutput, its last token where a plain
+    # step puts its sampled one.
+    starts = np.cumsum([0] + [len(d) + 1 for d in drafts[:-1]])
+    gens = [batch.generators[s] for s in starts]
+    v = rejection_sample(logits, batch, drafts, gens)
+    out = ModelRunnerOutput(req_ids, v.sampled_token_ids, prompt_logprobs=prompt_logprobs,
+                            spec=SpecDecodeOutput(v.accepted_token_ids, [len(d) for d in drafts]))
+    if v.logprobs is not None:
+        out.logprobs = [lp[-1] for lp in v.logprobs]
+        out.ranks = [r[-1] for r in v.ranks]
+        out.top_logprobs = [t[-1] for t in v.top_logprobs]
+        out.spec.logprobs = [lp[:-1] for lp in v.logprobs]
+        out.spec.ranks = [r[:-1] for r in v.ranks]
+        out.spec.top_logprobs = [t[:-1] for t in v.top_logprobs]
+    return out
