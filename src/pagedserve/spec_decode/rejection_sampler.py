@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pagedserve.sample.sampler import (SamplingBatch, apply_logits_processors, compute_logprobs, draw,
@@ -93,7 +94,7 @@ def verify_drafts(probs: torch.Tensor, draft_token_ids: list[list[int]], is_gree
         rejected = [i for i, (a, k) in enumerate(zip(num_accepted, num_drafts)) if a < k]
         if rejected:
             # The residual max(0, p - q) at the rejected position; for a one-hot q, p without the draft.
-            flat = [sum(num_drafts[:i]) + num_accepted[i] for i in rejected]
+            flat = [starts[i] - i + num_accepted[i] for i in rejected]  # index among the draft rows
             idx = torch.tensor(rejected, dtype=torch.long, device=device)
             flat_t = torch.tensor(flat, dtype=torch.long, device=device)
             if draft_probs is None:
@@ -116,7 +117,7 @@ def rejection_sample(logits: torch.Tensor, batch: SamplingBatch, draft_token_ids
     raw_logprobs = logits.float().log_softmax(dim=-1) if batch.max_num_logprobs is not None else None
     processed = apply_logits_processors(logits, batch)
     num_drafts = [len(d) for d in draft_token_ids]
-    starts = [sum(num_drafts[:i]) + i for i in range(len(num_drafts))]
+    starts = np.cumsum([0] + [k + 1 for k in num_drafts[:-1]]).tolist()
     is_greedy = [batch.all_greedy or (batch.is_greedy is not None and bool(batch.is_greedy[s]))
                  for s in starts]
     probs = processed if all(is_greedy) else random_probs(processed, batch)
