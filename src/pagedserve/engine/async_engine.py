@@ -27,6 +27,7 @@ from typing import Any, Callable, Sequence, TypeVar
 from pagedserve.core.request import RequestStatus
 from pagedserve.core.scheduler_output import SchedulerStats
 from pagedserve.engine.output_processor import OutputProcessor, ProcessedOutputs
+from pagedserve.metrics.stats import SpecDecodingStats
 from pagedserve.engine.output_stream import EngineClosedError, EngineError, OutputStream
 from pagedserve.engine.processor import Processor, PromptInput
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams
@@ -48,6 +49,7 @@ class EngineSnapshot:
     num_generation_tokens_total: int
     finished_by_reason: dict[str, int]
     num_aborted: int
+    spec: SpecDecodingStats | None = None  # a copy; None when speculative decoding is off
 
 
 # Tokenizer work yields the CPU to the engine's threads: on a machine with as many cores as OpenMP threads, a
@@ -338,4 +340,9 @@ class AsyncLLMEngine:
         stats = self.core.stats
         self.snapshot = EngineSnapshot(self.core.scheduler.stats(), stats.num_prompt_tokens_total,
                                        stats.num_generation_tokens_total, dict(stats.finished_by_reason),
-                                       stats.num_aborted)
+                                       stats.num_aborted, _copy_spec(stats.spec) if getattr(self.core, 'proposer', None) else None)
+
+
+def _copy_spec(spec: SpecDecodingStats) -> SpecDecodingStats:
+    return SpecDecodingStats(spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens,
+                             list(spec.num_accepted_tokens_per_pos))

@@ -143,18 +143,33 @@ class OutputProcessor:
             state.metrics = out.stats
         if sample.finished or not (out.new_token_ids or out.finished):
             return False
-        sample.token_ids += out.new_token_ids
-        sample.cumulative_logprob = out.cumulative_logprob
-        if sample.logprobs is not None and out.new_logprobs is not None:
-            lp = out.new_logprobs
-            for k, token_id in enumerate(out.new_token_ids):
-                sample.logprobs.append(logprob_entry(self.token_texts, token_id, lp.logprobs[k], lp.ranks[k],
-                                                     lp.top[k]))
         # Finished-stopped by the core means eos or a stop token id; its text is left out as in vLLM.
         by_token = out.finish_reason == "stop"
-        stop = sample.detok.update(out.new_token_ids, stop_terminated=by_token)
-        if out.finished:
-            sample.finish_reason = out.finish_reason
+        new_ids = out.new_token_ids
+        finish_reason = out.finish_reason
+        cumulative = out.cumulative_logprob
+        stop = None
+        # Token by token: with speculative decoding a step brings several, and a stop string ends the
+        # output at the token that completes it, exactly as without speculation.
+        for i, token_id in enumerate(new_ids):
+            last = i == len(new_ids) - 1
+            stop = sample.detok.update([token_id], stop_terminated=by_token and last)
+            if stop is not None and not last:
+                new_ids = new_ids[:i + 1]
+                if finish_reason is not None:
+                    finish_reason = "stop"  # the stop string came first
+                if out.new_logprobs is not None:
+                    cumulative -= sum(out.new_logprobs.logprobs[i + 1:])
+                break
+        sample.token_ids += new_ids
+        sample.cumulative_logprob = cumulative
+        if sample.logprobs is not None and out.new_logprobs is not None:
+            lp = out.new_logprobs
+            for k, token_id in enumerate(new_ids):
+                sample.logprobs.append(logprob_entry(self.token_texts, token_id, lp.logprobs[k], lp.ranks[k],
+                                                     lp.top[k]))
+        if finish_reason is not None:
+            sample.finish_reason = finish_reason
             sample.stop_reason = stop if stop is not None else out.stop_reason
         elif stop is not None:
             sample.finish_reason, sample.stop_reason = "stop", stop

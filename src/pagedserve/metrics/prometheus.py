@@ -98,10 +98,28 @@ class _SnapshotCollector:
             value = snap.num_aborted if reason == "abort" else snap.finished_by_reason.get(reason, 0)
             success.add_metric([self.model_name, reason], value)
         yield success
+        if snap.spec is not None:
+            yield from _spec_decode_metrics(p, self.model_name, snap.spec)
         info = GaugeMetricFamily(f"{p}:cache_config_info", "Information of the KV cache configuration.",
                                  labels=["block_size", "num_gpu_blocks"])
         info.add_metric([str(self.engine.block_size), str(self.engine.num_kv_blocks)], 1)
         yield info
+
+
+def _spec_decode_metrics(p: str, model_name: str, spec) -> Iterable[Metric]:
+    # vLLM V1's speculative decoding counters (only when speculation is configured).
+    for name, doc, value in (
+            ("spec_decode_num_drafts", "Number of spec decoding drafts.", spec.num_drafts),
+            ("spec_decode_num_draft_tokens", "Number of draft tokens.", spec.num_draft_tokens),
+            ("spec_decode_num_accepted_tokens", "Number of accepted tokens.", spec.num_accepted_tokens)):
+        c = CounterMetricFamily(f"{p}:{name}", doc, labels=["model_name"])
+        c.add_metric([model_name], value)
+        yield c
+    per_pos = CounterMetricFamily(f"{p}:spec_decode_num_accepted_tokens_per_pos",
+                                  "Accepted tokens per draft position.", labels=["model_name", "position"])
+    for pos, value in enumerate(spec.num_accepted_tokens_per_pos):
+        per_pos.add_metric([model_name, str(pos)], value)
+    yield per_pos
 
 
 class PrometheusMetrics:
