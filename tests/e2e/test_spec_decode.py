@@ -20,11 +20,11 @@ def table_prompts(num: int) -> list[str]:
     rng = random.Random(0)
     prompts = []
     for i in range(num):
-        items = rng.sample(ITEMS, 5)
+        items = rng.sample(ITEMS, 3)
         rows = "\n".join(f"{it} | {rng.randint(10, 99)} | {rng.randint(1, 9)}.{rng.randint(10, 99)} EUR"
                          for it in items)
-        pick = items[i % 5]
-        prompts.append(f"Stock table:\nitem | count | price\n{rows}\n\nCopy the row for {pick}:\n{pick} |")
+        pick = items[i % 3]
+        prompts.append(f"Stock:\n{rows}\n\nCopy the row for {pick}:\n{pick} |")
     return prompts
 
 
@@ -41,7 +41,7 @@ def plain_llm():
 
 def test_greedy_is_token_identical_with_speculation(spec_llm, plain_llm):
     prompts = table_prompts(50)
-    params = SamplingParams(temperature=0.0, max_tokens=16)
+    params = SamplingParams(temperature=0.0, max_tokens=10)
     spec = spec_llm.llm_engine.core.stats.spec
     accepted_before = spec.num_accepted_tokens
     on = spec_llm.generate(prompts, params, use_tqdm=False)
@@ -49,15 +49,15 @@ def test_greedy_is_token_identical_with_speculation(spec_llm, plain_llm):
     assert [o.outputs[0].token_ids for o in on] == [o.outputs[0].token_ids for o in off]
     assert [o.outputs[0].text for o in on] == [o.outputs[0].text for o in off]
     # The drafts did their job: most of the answer came from accepted drafts.
-    assert spec.num_accepted_tokens - accepted_before > 100
+    assert spec.num_accepted_tokens - accepted_before > 50
     assert spec_llm.llm_engine.core.kv.pool.num_free_blocks == spec_llm.llm_engine.core.num_kv_blocks
 
 
 def test_logprobs_stop_strings_and_token_limits_match(spec_llm, plain_llm):
     prompt = table_prompts(1)[0]
     cases = [SamplingParams(temperature=0.0, max_tokens=9, logprobs=2),
-             SamplingParams(temperature=0.0, max_tokens=30, stop=[" EUR"]),
-             SamplingParams(temperature=0.0, max_tokens=30, stop=["|"], include_stop_str_in_output=True),
+             SamplingParams(temperature=0.0, max_tokens=12, stop=[" EUR"]),
+             SamplingParams(temperature=0.0, max_tokens=12, stop=["|"], include_stop_str_in_output=True),
              SamplingParams(temperature=0.0, max_tokens=5, min_tokens=5, logprobs=0)]
     on = spec_llm.generate([prompt] * len(cases), cases, use_tqdm=False)
     off = plain_llm.generate([prompt] * len(cases), cases, use_tqdm=False)
@@ -78,12 +78,12 @@ def test_logprobs_stop_strings_and_token_limits_match(spec_llm, plain_llm):
 
 def test_sampling_n_best_of_and_seeds(spec_llm):
     prompt = table_prompts(2)[1]
-    params = SamplingParams(temperature=0.8, max_tokens=12, n=3, seed=7, logprobs=1)
+    params = SamplingParams(temperature=0.8, max_tokens=8, n=3, seed=7, logprobs=1)
     first = spec_llm.generate(prompt, params, use_tqdm=False)[0]
     again = spec_llm.generate(prompt, params, use_tqdm=False)[0]
     assert [c.token_ids for c in first.outputs] == [c.token_ids for c in again.outputs]  # seeded: reproducible
-    assert all(len(c.token_ids) == 12 and len(c.logprobs) == 12 for c in first.outputs)
-    best = spec_llm.generate(prompt, SamplingParams(temperature=1.0, max_tokens=8, n=2, best_of=4, seed=3),
+    assert all(len(c.token_ids) == 8 and len(c.logprobs) == 8 for c in first.outputs)
+    best = spec_llm.generate(prompt, SamplingParams(temperature=1.0, max_tokens=5, n=2, best_of=3, seed=3),
                              use_tqdm=False)[0]
     assert len(best.outputs) == 2 and best.outputs[0].cumulative_logprob is None
     core = spec_llm.llm_engine.core
@@ -92,13 +92,13 @@ def test_sampling_n_best_of_and_seeds(spec_llm):
 
 def test_streaming_deltas_carry_several_tokens(spec_llm, plain_llm):
     prompt = table_prompts(3)[2]
-    params = SamplingParams(temperature=0.0, max_tokens=16, output_kind=RequestOutputKind.DELTA)
+    params = SamplingParams(temperature=0.0, max_tokens=10, output_kind=RequestOutputKind.DELTA)
     engine = spec_llm.llm_engine
     engine.add_request("stream", prompt, params)
     deltas = []
     while engine.has_unfinished_requests():
         deltas += [o.outputs[0] for o in engine.step() if o.request_id == "stream" and o.outputs]
-    [full] = plain_llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)
+    [full] = plain_llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=10), use_tqdm=False)
     assert [t for d in deltas for t in d.token_ids] == full.outputs[0].token_ids
     assert "".join(d.text for d in deltas) == full.outputs[0].text
     assert max(len(d.token_ids) for d in deltas) > 1
