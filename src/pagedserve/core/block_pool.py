@@ -15,6 +15,8 @@ from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from pagedserve.core.kv_residency import BlockTrack, ResidencySampler
+
 BlockHash = bytes
 
 
@@ -53,6 +55,7 @@ class KVBlock:
     block_id: int
     ref_cnt: int = 0
     block_hash: BlockHash | None = None
+    residency: BlockTrack | None = None  # timestamps, on sampled blocks only (kv_residency.py)
 
 
 class BlockPool:
@@ -66,6 +69,8 @@ class BlockPool:
         self.cached: dict[BlockHash, KVBlock] = {}
         self.num_evictions = 0
         self.num_shared_blocks = 0  # blocks with ref_cnt > 1, kept incrementally for metrics
+        # Residency is about what the prefix cache keeps; the host swap pool (no caching) is not sampled.
+        self.residency = ResidencySampler() if enable_caching else None
 
     @property
     def num_free_blocks(self) -> int:
@@ -78,10 +83,13 @@ class BlockPool:
         if num > len(self.free_queue):
             raise ValueError(f"cannot allocate {num} blocks, {len(self.free_queue)} free")
         out = []
+        residency = self.residency
         for _ in range(num):
             _, block = self.free_queue.popitem(last=False)
             self._evict(block)
             block.ref_cnt = 1
+            if residency is not None:
+                residency.on_allocate(block)
             out.append(block)
         return out
 
@@ -100,6 +108,8 @@ class BlockPool:
             block.ref_cnt += 1
             if block.ref_cnt == 2:
                 self.num_shared_blocks += 1
+            if block.residency is not None:
+                self.residency.on_access(block)
 
     def free(self, blocks: list[KVBlock]) -> None:
         # Callers pass a sequence's blocks tail first, so its last blocks (least likely to be shared) are

@@ -16,6 +16,10 @@ Where the numbers come from:
 - inter_token_latency_seconds: the engine keeps only first/last token times, so a finished request observes
   its mean gap once per gap. For n=1 _sum and _count equal what per-token observation gives; only the spread
   across buckets within one request is flattened (for n>1 the gap is approximated from the request's span).
+- kv_block_lifetime_seconds, kv_block_idle_before_evict_seconds, kv_block_reuse_gap_seconds: vLLM's sampled
+  residency histograms. The block pool follows one allocation in RESIDENCY_SAMPLE_EVERY (core/kv_residency.py)
+  and queues an event when a followed block is handed out again; the events are drained and observed at
+  scrape time, so the engine thread never calls into prometheus_client for them.
 """
 from __future__ import annotations
 
@@ -35,6 +39,8 @@ _ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
                 40.0, 80.0]
 _LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                     240.0, 480.0, 960.0, 1920.0, 7680.0]
+_RESIDENCY_BUCKETS = [0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
+                      1800.0, 3600.0]
 _FINISH_REASONS = ("stop", "length", "abort")
 
 
@@ -149,6 +155,18 @@ class PrometheusMetrics:
         # instrumentator), so error-rate alerts written for vLLM work: 5xx / all.
         self.http_requests = Counter("http_requests", "Total number of HTTP responses by handler and status.",
                                      ["handler", "method", "status"], registry=self.registry)
+        self.block_lifetime = histogram("kv_block_lifetime_seconds",
+                                        "Sampled KV block lifetime, from allocation to eviction, in seconds.",
+                                        _RESIDENCY_BUCKETS)
+        self.block_idle = histogram("kv_block_idle_before_evict_seconds",
+                                    "Sampled time from a KV block's last access to its eviction, in seconds.",
+                                    _RESIDENCY_BUCKETS)
+        self.block_reuse_gap = histogram("kv_block_reuse_gap_seconds",
+                                         "Sampled time between consecutive accesses of a KV block, in seconds.",
+                                         _RESIDENCY_BUCKETS)
+        # A model-free engine (tests) has no block pool; its residency series stay empty.
+        kv = getattr(getattr(engine, "core", None), "kv", None)
+        self.residency = getattr(getattr(kv, "pool", None), "residency", None)
         engine.add_finished_callback(self.on_finished)
 
     def count_http(self, handler: str, method: str, status: int) -> None:
@@ -167,5 +185,15 @@ class PrometheusMetrics:
             for _ in range(rs.num_token_gaps):
                 self.itl.observe(itl)
 
+    def observe_residency(self) -> None:
+        if self.residency is None:
+            return
+        for event in self.residency.drain():
+            self.block_lifetime.observe(event.lifetime_s)
+            self.block_idle.observe(event.idle_s)
+            for gap in event.reuse_gaps_s:
+                self.block_reuse_gap.observe(gap)
+
     def render(self) -> tuple[bytes, str]:
+        self.observe_residency()
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -20,6 +20,7 @@ from pagedserve.metrics.prometheus import PrometheusMetrics
 from pagedserve.server.cli_args import (HEALTH_MAX_STALL_S, MAX_REQUEST_BODY_SIZE, MAX_SAMPLES_PER_REQUEST,
                                         SHUTDOWN_TIMEOUT_S)
 from pagedserve.server.context import ServerContext
+from pagedserve.server.debug import register_debug_routes
 from pagedserve.server.errors import OpenAIError
 from pagedserve.server.middleware import APIKeyMiddleware, BodySizeLimitMiddleware, HTTPMetricsMiddleware
 from pagedserve.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
@@ -179,6 +180,7 @@ def build_app(engine: AsyncLLMEngine, args: Any) -> FastAPI:
         body, content_type = metrics.render()
         return Response(body, media_type=content_type)
 
+    register_debug_routes(app, engine)  # /debug/kv and /dashboard
     # Outermost, so the 401s and 413s of the middlewares above are counted too.
     app.add_middleware(HTTPMetricsMiddleware, count=metrics.count_http,
                        routes=frozenset(getattr(r, "path", "") for r in app.routes))

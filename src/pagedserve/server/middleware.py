@@ -14,8 +14,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagedserve.server.errors import OpenAIError
 
-# Probes and scrapers carry no key.
-OPEN_PATHS = frozenset({"/health", "/metrics"})
+# Probes and scrapers carry no key. The dashboard's files hold no data (a browser opening a URL cannot send a
+# key); the page sends the key on its /debug/kv requests (server/debug.py).
+OPEN_PATHS = frozenset({"/health", "/metrics", "/dashboard", "/dashboard/app.js", "/dashboard/style.css"})
 
 
 class APIKeyMiddleware:
