@@ -52,7 +52,7 @@ def test_four_samples_hold_their_full_prompt_blocks_once_with_ref_count_4():
     worker = WorkerMirror(sched)
     worker.step()   # s0 prefills blocks 0, 1 (full, hashed) and 2 (tokens 8..9)
     worker.schedule()  # the forks share 0, 1 and copy block 2 before writing token 9: blocks 3, 4, 5
-    snap = build_kv_snapshot(sched.kv, sched)
+    snap = build_kv_snapshot(sched)
     check_consistent(snap, sched)
     everyone = ["s0", "s1", "s2", "s3"]
     assert summary(snap) == [entry(0, "in_use", everyone, True), entry(1, "in_use", everyone, True),
@@ -62,7 +62,7 @@ def test_four_samples_hold_their_full_prompt_blocks_once_with_ref_count_4():
         "s0": [0, 1, 2], "s1": [0, 1, 3], "s2": [0, 1, 4], "s3": [0, 1, 5]}
     assert snap["requests"]["s0"]["status"] == "running"
     c = snap["counters"]
-    assert (c["num_in_use_blocks"], c["num_shared_blocks"], c["num_cow_copies"], c["num_running"]) == (6, 2, 3, 4)
+    assert (c["num_in_use_blocks"], c["num_shared_blocks"], c["num_cow_copies_total"], c["num_running"]) == (6, 2, 3, 4)
     assert (snap["num_blocks"], snap["block_size"], snap["swapped"]) == (16, 4, [])
 
 
@@ -78,7 +78,7 @@ def test_requests_on_one_system_prompt_share_one_set_of_cached_blocks_and_all_en
     sched.add_request(_system_prompt_request("warm", 100, max_tokens=1))
     while sched.has_unfinished():
         worker.step()
-    snap = build_kv_snapshot(sched.kv, sched)
+    snap = build_kv_snapshot(sched)
     # The system prompt stays cached (evictable) after its request ended; its partial tail block is just free.
     assert summary(snap) == [entry(0, "cached", hashed=True), entry(1, "cached", hashed=True)] + [
         entry(i, "free") for i in range(2, 16)]
@@ -88,7 +88,7 @@ def test_requests_on_one_system_prompt_share_one_set_of_cached_blocks_and_all_en
     for i, rid in enumerate(ids):
         sched.add_request(_system_prompt_request(rid, 200 + 10 * i))
     worker.schedule()  # all eight hit blocks 0 and 1; each takes one block of its own from the free queue
-    snap = build_kv_snapshot(sched.kv, sched)
+    snap = build_kv_snapshot(sched)
     check_consistent(snap, sched)
     assert summary(snap) == [entry(0, "in_use", ids, True), entry(1, "in_use", ids, True), entry(2, "free")] + [
         entry(3 + i, "in_use", [rid]) for i, rid in enumerate(ids)] + [entry(i, "free") for i in range(11, 16)]
@@ -98,12 +98,12 @@ def test_requests_on_one_system_prompt_share_one_set_of_cached_blocks_and_all_en
 
     while sched.has_unfinished():
         worker.step()
-    snap = build_kv_snapshot(sched.kv, sched)
+    snap = build_kv_snapshot(sched)
     check_consistent(snap, sched)
     assert [b for b in snap["blocks"] if b["state"] == "in_use"] == []
     assert snap["requests"] == {} and snap["counters"]["num_in_use_blocks"] == 0
     assert [b["state"] for b in snap["blocks"][:2]] == ["cached", "cached"]
-    assert snap["counters"]["usage"] == 0.0
+    assert snap["counters"]["kv_cache_usage"] == 0.0
 
 
 def test_swapped_blocks_are_listed_with_their_holder():
@@ -114,7 +114,7 @@ def test_swapped_blocks_are_listed_with_their_holder():
     worker = WorkerMirror(sched)
     while not sched.kv.swapped:
         worker.step()
-    snap = build_kv_snapshot(sched.kv, sched)
+    snap = build_kv_snapshot(sched)
     check_consistent(snap, sched)
     host_ids = [h.block_id for h in sched.kv.swapped["b"]]
     assert snap["swapped"] == [{"id": h, "state": "swapped", "ref_count": 1, "holders": ["b"], "hash": None}
@@ -122,8 +122,8 @@ def test_swapped_blocks_are_listed_with_their_holder():
     assert snap["requests"]["b"] == {"status": "preempted", "num_tokens": b.num_tokens,
                                      "num_computed_tokens": b.num_computed_tokens, "block_ids": [],
                                      "swapped_block_ids": host_ids}
-    assert snap["counters"]["num_preemptions_swap"] == 1
-    assert snap["counters"]["num_swapped_out_blocks"] == len(host_ids) == 2
+    assert snap["counters"]["num_preemptions_swap_total"] == 1
+    assert snap["counters"]["num_swapped_out_blocks_total"] == len(host_ids) == 2
 
 
 class FakeClock:
@@ -153,6 +153,16 @@ def test_residency_follows_a_sampled_block_from_allocation_to_eviction():
     pool.allocate(2)            # block 1, then block 0 is evicted and handed out again
     assert pool.residency.drain() == [ResidencyEvent(10.0, 5.5, (3.0, 1.5))]
     assert pool.num_evictions == 1
+
+
+def test_a_block_that_never_held_cached_contents_records_no_eviction():
+    pool = BlockPool(1)
+    pool.residency = ResidencySampler(sample_every=1, clock=FakeClock())
+    [b0] = pool.allocate(1)       # a partly filled tail block: never hashed
+    pool.free([b0])
+    pool.allocate(1)
+    assert pool.residency.drain() == [] and pool.num_evictions == 0
+    assert b0.residency is not None  # the new allocation is followed from scratch
 
 
 def test_residency_samples_one_allocation_in_n_and_keeps_the_latest_gaps():

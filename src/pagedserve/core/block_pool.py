@@ -86,10 +86,10 @@ class BlockPool:
         residency = self.residency
         for _ in range(num):
             _, block = self.free_queue.popitem(last=False)
+            if residency is not None:
+                residency.on_allocate(block, evicted=block.block_hash is not None)
             self._evict(block)
             block.ref_cnt = 1
-            if residency is not None:
-                residency.on_allocate(block)
             out.append(block)
         return out
 

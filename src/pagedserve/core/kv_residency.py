@@ -1,14 +1,15 @@
 """Sampled block residency, for vLLM's histograms kv_block_lifetime_seconds, kv_block_idle_before_evict_seconds
 and kv_block_reuse_gap_seconds.
 
-One allocation in `sample_every` is followed through its life. An access is the allocation itself or a later
-reference taken on the block (a prefix-cache hit or a fork). The life ends when the pool hands the block out
-again, which overwrites its contents (for a cached block that is its eviction). Then one event is recorded:
+One allocation in `sample_every` is followed through its life. An access is a reference taken on the block
+after its allocation (a prefix-cache hit or a fork). The life ends when the pool hands the block out again.
+If the block still held cached contents then (it had a hash), that hand-out is its eviction and one event is
+recorded; a block that never became cacheable (a partly filled tail block) just stops being followed:
 
-    allocated ---- access ------- access ---- freed (cached, evictable) ........ handed out again
-    |<-------------------------------- lifetime ------------------------------------------->|
-                                  |<--------------- idle before evict ----------------------->|
-                   |<-- gap --->|  (reuse gaps: between consecutive accesses)
+    allocated ---- access ------- access ---- freed (cached, evictable) ........ evicted
+    |<-------------------------------- lifetime --------------------------------------->|
+                                  |<--------------- idle before evict ------------------->|
+    |<-- gap -->|<--- gap --->|  (reuse gaps: between consecutive accesses, the allocation counting as one)
 
 Only sampled blocks read the clock: the pool pays a counter increment per allocation otherwise. Events wait in
 a bounded deque that the exporter drains from another thread (deque append and popleft are atomic).
@@ -50,13 +51,15 @@ class ResidencySampler:
         self.events: deque[ResidencyEvent] = deque(maxlen=MAX_PENDING_EVENTS)
         self._num_allocations = 0
 
-    def on_allocate(self, block) -> None:
+    def on_allocate(self, block, evicted: bool) -> None:
+        # Called as the pool hands `block` out; `evicted`: it still held cached contents, now overwritten.
         now = None
         track = block.residency
         if track is not None:  # its previous life ends here
-            now = self.clock()
-            self.events.append(ResidencyEvent(now - track.allocated_at, now - track.last_access,
-                                              tuple(track.reuse_gaps)))
+            if evicted:
+                now = self.clock()
+                self.events.append(ResidencyEvent(now - track.allocated_at, now - track.last_access,
+                                                  tuple(track.reuse_gaps)))
             block.residency = None
         if self.sample_every:
             self._num_allocations += 1
