@@ -180,7 +180,7 @@ def build_app(engine: AsyncLLMEngine, args: Any) -> FastAPI:
         body, content_type = metrics.render()
         return Response(body, media_type=content_type)
 
-    register_debug_routes(app, engine)  # /debug/kv and /dashboard
+    register_debug_routes(app, engine, api_key)  # /debug/kv and /dashboard
     # Outermost, so the 401s and 413s of the middlewares above are counted too.
     app.add_middleware(HTTPMetricsMiddleware, count=metrics.count_http,
                        routes=frozenset(getattr(r, "path", "") for r in app.routes))

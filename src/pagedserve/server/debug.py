@@ -1,33 +1,38 @@
 """GET /debug/kv (a snapshot of the paged KV cache) and GET /dashboard (a live page that draws it).
 
-The snapshot is built on the engine thread between two steps (AsyncLLMEngine.call), only when a client asks,
-and at most once per KV_SNAPSHOT_INTERVAL_S however many clients poll: an unwatched server pays nothing, a
-watched one a few pool walks per second. The page's files ship in the package (server/static/) and load
-nothing from the internet. They hold no data, so they are served without the API key (a browser cannot send
-one when it opens a URL); the page sends the key (from ?key= or a prompt) on its /debug/kv requests, which
-the API key middleware checks like any other route.
+The snapshot costs the engine nothing until someone asks, and little when someone does:
+
+    handler --(at most once per KV_SNAPSHOT_INTERVAL_S, shared by all pollers)--> AsyncLLMEngine.call:
+      engine thread, between two steps: capture_kv_state (a plain copy, ~0.1 ms per thousand blocks)
+    <-- KVState -- the JSON is written on a worker thread, never on the engine thread or the event loop
+
+The handler never reads engine state itself. The page's files ship in the package (server/static/) and load
+nothing from the internet. With --api-key the page and /debug/kv need the key like every route; a browser
+gets it in through /dashboard/login, which sets an HttpOnly cookie (server/middleware.py).
 """
 from __future__ import annotations
 
 import asyncio
-import json
+import hmac
 import math
 import time
 from collections import deque
 from pathlib import Path
 from typing import Any
+from urllib.parse import parse_qs
 
-from fastapi import FastAPI
-from fastapi.responses import Response
+from fastapi import FastAPI, Request
+from fastapi.responses import HTMLResponse, RedirectResponse, Response
 
-from pagedserve.core.kv_snapshot import build_kv_snapshot
+from pagedserve.core.kv_snapshot import KVState, capture_kv_state, kv_snapshot_json
 from pagedserve.metrics.stats import RequestStats
+from pagedserve.server.middleware import DASHBOARD_COOKIE, DASHBOARD_LOGIN_PATH
 
-KV_SNAPSHOT_INTERVAL_S = 0.25   # at most 4 pool walks per second
+KV_SNAPSHOT_INTERVAL_S = 0.5    # at most 2 snapshots per second, however many pages poll
 TTFT_WINDOW_S = 60.0            # the page's TTFT percentiles cover the requests finished this recently
 MAX_TTFT_SAMPLES = 4096
 STATIC_DIR = Path(__file__).parent / "static"
-# URL path -> (file, content type). Kept in step with middleware.OPEN_PATHS.
+# URL path -> (file, content type); middleware.COOKIE_PATHS lists the same paths.
 DASHBOARD_FILES = {
     "/dashboard": ("dashboard.html", "text/html; charset=utf-8"),
     "/dashboard/app.js": ("dashboard.js", "text/javascript; charset=utf-8"),
@@ -60,12 +65,12 @@ def percentile(sorted_values: list[float], q: float) -> float | None:
     return sorted_values[max(0, math.ceil(q * len(sorted_values)) - 1)]
 
 
-def _take_snapshot(core: Any) -> dict[str, Any]:  # engine thread
-    snap = build_kv_snapshot(core.kv, core.scheduler)
-    snap["engine"] = {"num_steps": core.stats.num_steps,
-                      "prompt_tokens_total": core.stats.num_prompt_tokens_total,
-                      "generation_tokens_total": core.stats.num_generation_tokens_total}
-    return snap
+def _capture(core: Any) -> tuple[KVState, dict[str, Any]]:  # engine thread
+    stats = core.stats
+    return capture_kv_state(core.scheduler), {
+        "time": time.time(), "num_steps": stats.num_steps,
+        "prompt_tokens_total": stats.num_prompt_tokens_total,
+        "generation_tokens_total": stats.num_generation_tokens_total}
 
 
 class KVSnapshotSource:
@@ -84,18 +89,42 @@ class KVSnapshotSource:
     async def get(self) -> bytes:
         async with self._lock:
             if time.monotonic() - self._taken_at >= self.interval_s:
-                snap = await self.engine.call(_take_snapshot)
+                state, engine_stats = await self.engine.call(_capture)
                 self._taken_at = now = time.monotonic()
                 self.num_snapshots += 1
-                snap["seq"] = self.num_snapshots
-                snap["time"] = time.time()
-                snap["model"] = self.engine.model_name
-                snap["engine"].update(self.ttft.summary(now))
-                self._body = json.dumps(snap, separators=(",", ":")).encode()
+                engine_stats.update(self.ttft.summary(now))
+                extra = {"seq": self.num_snapshots, "time": engine_stats.pop("time"),
+                         "model": self.engine.model_name, "engine": engine_stats}
+                self._body = await asyncio.to_thread(kv_snapshot_json, state, extra)
             return self._body
 
 
-def register_debug_routes(app: FastAPI, engine: Any) -> None:
+def _login_page(message: str = "") -> bytes:
+    page = (STATIC_DIR / "login.html").read_text("utf-8")
+    return page.replace("<!--message-->", message).encode()
+
+
+def _register_login(app: FastAPI, api_key: str) -> None:
+    expected = api_key.encode()
+
+    @app.get(DASHBOARD_LOGIN_PATH, include_in_schema=False)
+    async def login_form() -> Response:
+        return HTMLResponse(_login_page(), headers=_NO_STORE)
+
+    @app.post(DASHBOARD_LOGIN_PATH, include_in_schema=False)
+    async def login(request: Request) -> Response:
+        # A plain HTML form post (no multipart parser needed); the body size limit applies as everywhere.
+        form = parse_qs((await request.body()).decode("utf-8", "replace"))
+        given = form.get("key", [""])[0].encode()
+        if not hmac.compare_digest(given, expected):
+            return HTMLResponse(_login_page("<p class=\"error\">That key was refused.</p>"), 401,
+                                headers=_NO_STORE)
+        resp = RedirectResponse("/dashboard", 303)
+        resp.set_cookie(DASHBOARD_COOKIE, api_key, httponly=True, samesite="strict", path="/")
+        return resp
+
+
+def register_debug_routes(app: FastAPI, engine: Any, api_key: str | None = None) -> None:
     source = KVSnapshotSource(engine)
     app.state.kv_snapshots = source
     files = {path: ((STATIC_DIR / name).read_bytes(), media) for path, (name, media) in DASHBOARD_FILES.items()}
@@ -114,3 +143,5 @@ def register_debug_routes(app: FastAPI, engine: Any) -> None:
 
     for path in files:
         serve(path)
+    if api_key:
+        _register_login(app, api_key)

@@ -6,17 +6,24 @@ run before FastAPI parses the body.
 from __future__ import annotations
 
 import hmac
+from http.cookies import CookieError, SimpleCookie
 from typing import Callable
 
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
+from starlette.responses import RedirectResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagedserve.server.errors import OpenAIError
 
-# Probes and scrapers carry no key. The dashboard's files hold no data (a browser opening a URL cannot send a
-# key); the page sends the key on its /debug/kv requests (server/debug.py).
-OPEN_PATHS = frozenset({"/health", "/metrics", "/dashboard", "/dashboard/app.js", "/dashboard/style.css"})
+# Probes and scrapers carry no key; the dashboard's login form is how a browser gets one in.
+DASHBOARD_LOGIN_PATH = "/dashboard/login"
+OPEN_PATHS = frozenset({"/health", "/metrics", DASHBOARD_LOGIN_PATH})
+# A browser opening a URL cannot send an Authorization header, so the dashboard's read-only GETs also take the
+# key from the cookie the login form sets (HttpOnly, SameSite=Strict: other sites can neither read nor send
+# it). The cookie opens nothing else: the completion routes still need the header.
+DASHBOARD_COOKIE = "pagedserve_api_key"
+COOKIE_PATHS = frozenset({"/dashboard", "/dashboard/app.js", "/dashboard/style.css", "/debug/kv"})
 
 
 class APIKeyMiddleware:
@@ -25,18 +32,33 @@ class APIKeyMiddleware:
         self.app = app
         self.expected = api_key.encode()
 
+    def _authorized(self, scope: Scope) -> bool:
+        headers = Headers(scope=scope)
+        given = headers.get("authorization", "").encode("latin-1", "replace")
+        scheme, _, token = given.strip().partition(b" ")
+        # The scheme is case-insensitive (RFC 9110); compare_digest takes time independent of where the
+        # key's bytes differ.
+        if hmac.compare_digest(token.strip(), self.expected) and scheme.lower() == b"bearer":
+            return True
+        if scope["path"] in COOKIE_PATHS and scope["method"] == "GET":
+            cookie = SimpleCookie()
+            try:
+                cookie.load(headers.get("cookie", ""))
+            except CookieError:
+                return False
+            morsel = cookie.get(DASHBOARD_COOKIE)
+            return morsel is not None and hmac.compare_digest(morsel.value.encode(), self.expected)
+        return False
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
-            given = Headers(scope=scope).get("authorization", "").encode("latin-1", "replace")
-            scheme, _, token = given.strip().partition(b" ")
-            # The scheme is case-insensitive (RFC 9110); compare_digest takes time independent of where the
-            # key's bytes differ.
-            ok = hmac.compare_digest(token.strip(), self.expected)
-            if not ok or scheme.lower() != b"bearer":
-                err = OpenAIError("Incorrect or missing API key; send 'Authorization: Bearer <key>'.", 401,
-                                  code="invalid_api_key")
-                await err.response()(scope, receive, send)
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS and not self._authorized(scope):
+            if scope["path"] == "/dashboard":  # a person with a browser: to the form that asks for the key
+                await RedirectResponse(DASHBOARD_LOGIN_PATH, 303)(scope, receive, send)
                 return
+            err = OpenAIError("Incorrect or missing API key; send 'Authorization: Bearer <key>'.", 401,
+                              code="invalid_api_key")
+            await err.response()(scope, receive, send)
+            return
         await self.app(scope, receive, send)
 
 

@@ -1,6 +1,6 @@
 // pagedserve dashboard: polls /debug/kv and draws the block map, the block tables and small charts.
-// No libraries and nothing from the internet. The API key, when the server has one, comes from ?key= (kept
-// in sessionStorage and removed from the address bar) or from the form, and is sent as a Bearer token.
+// No libraries and nothing from the internet. With --api-key the browser holds the key as an HttpOnly cookie
+// set by /dashboard/login; this script never sees it.
 "use strict";
 
 const params = new URLSearchParams(location.search);
@@ -8,14 +8,6 @@ const INTERVAL_MS = Math.max(100, Number(params.get("interval_ms")) || 500);
 const HISTORY = 120;             // chart points (one minute at two polls per second)
 const HIT_RATE_WINDOW_S = 10;    // the hit-rate chart covers lookups of the last few seconds
 const MAX_TABLE_ROWS = 64;
-const KEY_STORE = "pagedserve-api-key";
-
-if (params.has("key")) {
-  sessionStorage.setItem(KEY_STORE, params.get("key"));
-  params.delete("key");
-  const rest = params.toString();
-  history.replaceState(null, "", location.pathname + (rest ? "?" + rest : ""));
-}
 
 const $ = (id) => document.getElementById(id);
 const grid = $("grid"), swappedGrid = $("swapped-grid"), info = $("info"), statusEl = $("status");
@@ -23,7 +15,6 @@ let cells = [];                  // one div per physical block, index = block id
 let swappedCells = [];           // one div per occupied host block
 let history_ = [];
 let numUpdates = 0;
-let timer = null;
 
 function setStatus(text, isError) {
   statusEl.textContent = text;
@@ -78,12 +69,13 @@ function renderSummary(snap) {
   const pct = (x) => (100 * x).toFixed(1) + "%";
   const hitRate = c.prefix_cache_queries ? pct(c.prefix_cache_hits / c.prefix_cache_queries) : "n/a";
   const items = [
-    ["running", c.num_running], ["waiting", c.num_waiting], ["KV usage", pct(c.usage)],
+    ["running", c.num_running], ["waiting", c.num_waiting], ["KV usage", pct(c.kv_cache_usage)],
     ["in use", c.num_in_use_blocks], ["shared", c.num_shared_blocks], ["cached", c.num_cached_blocks],
     ["free (incl. cached)", c.num_free_blocks], ["prefix hits", `${c.prefix_cache_hits} / ` +
       `${c.prefix_cache_queries} tokens (${hitRate})`], ["evictions", c.num_evictions],
-    ["preemptions", `${c.num_preemptions} (${c.num_preemptions_swap} swap)`], ["CoW copies", c.num_cow_copies],
-    ["swapped out / in", `${c.num_swapped_out_blocks} / ${c.num_swapped_in_blocks} blocks`],
+    ["preemptions", `${c.num_preemptions_total} (${c.num_preemptions_swap_total} swap)`],
+    ["CoW copies", c.num_cow_copies_total],
+    ["swapped out / in", `${c.num_swapped_out_blocks_total} / ${c.num_swapped_in_blocks_total} blocks`],
     ["generated", `${e.generation_tokens_total} tokens`],
   ];
   const box = $("summary");
@@ -124,7 +116,7 @@ function renderRequests(snap) {
 
 function record(snap) {
   const c = snap.counters, e = snap.engine, prev = history_[history_.length - 1];
-  const point = {t: snap.time, running: c.num_running, waiting: c.num_waiting, usage: 100 * c.usage,
+  const point = {t: snap.time, running: c.num_running, waiting: c.num_waiting, usage: 100 * c.kv_cache_usage,
                  hits: c.prefix_cache_hits, queries: c.prefix_cache_queries, gen: e.generation_tokens_total,
                  p50: e.ttft_p50_s, p99: e.ttft_p99_s, throughput: null, hitRate: null};
   if (prev && point.t > prev.t && point.gen >= prev.gen) {
@@ -206,31 +198,21 @@ function render(snap) {
 }
 
 async function poll() {
-  timer = null;
-  const headers = {};
-  const key = sessionStorage.getItem(KEY_STORE);
-  if (key) headers.Authorization = "Bearer " + key;
   try {
-    const resp = await fetch("/debug/kv", {headers, cache: "no-store"});
-    if (resp.status === 401) {
-      $("keyform").hidden = false;
-      setStatus(key ? "the API key was refused" : "an API key is needed", true);
-      return;  // until the form is submitted
+    const resp = await fetch("/debug/kv", {cache: "no-store", credentials: "same-origin"});
+    if (resp.status === 401) {  // the key changed (server restarted): log in again
+      location.assign("/dashboard/login");
+      return;
     }
     if (!resp.ok) throw new Error(`HTTP ${resp.status}`);
-    render(await resp.json());
+    const snap = await resp.json();
+    // Pages polling faster than the server renews its snapshot get the same one again: draw it once.
+    if (String(snap.seq) !== document.body.dataset.seq) render(snap);
     setStatus(`live, snapshot ${document.body.dataset.seq}, ${new Date().toLocaleTimeString()}`, false);
   } catch (err) {
     setStatus(`no snapshot: ${err.message}`, true);
   }
-  timer = setTimeout(poll, INTERVAL_MS);
+  setTimeout(poll, INTERVAL_MS);
 }
-
-$("keyform").addEventListener("submit", (ev) => {
-  ev.preventDefault();
-  sessionStorage.setItem(KEY_STORE, $("key").value);
-  $("keyform").hidden = true;
-  if (timer === null) poll();
-});
 
 poll();
