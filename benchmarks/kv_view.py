@@ -128,6 +128,8 @@ def ratio(on: list[dict], off: list[dict]) -> float:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--input-len", type=int, nargs=2, default=(64, 512), metavar=("MIN", "MAX"))
+    p.add_argument("--output-len", type=int, nargs=2, default=(16, 256), metavar=("MIN", "MAX"))
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--kv-cache-memory", type=int, default=2 << 30)
@@ -144,7 +146,7 @@ def main() -> int:
     ids = allowed_token_ids(probe.get_tokenizer(), probe.llm_engine.hf_config.vocab_size)
     del probe
     gc.collect()
-    reqs = synthetic_requests(args.num_prompts, (64, 512), (16, 256), ids, seed=0)
+    reqs = synthetic_requests(args.num_prompts, tuple(args.input_len), tuple(args.output_len), ids, seed=0)
     port = free_port()
     server = Server("pagedserve", [sys.executable, "-m", "pagedserve.cli", "serve", "--port", str(port),
                                    "--max-model-len", str(args.max_model_len), "--kv-cache-memory",
@@ -154,7 +156,7 @@ def main() -> int:
     rounds = {"off": [], "on": [], "browser_off": [], "browser_on": []}
     try:
         snap = httpx.get(f"{server.url}/debug/kv", timeout=30).json()
-        asyncio.run(run_streams(server.url, reqs[:4], 4))  # warm-up
+        asyncio.run(run_streams(server.url, reqs[:2], 2))  # warm-up
         for i in range(args.rounds):
             for name, watcher in (("off", None), ("on", poller)) if i % 2 == 0 else (("on", poller), ("off", None)):
                 rounds[name].append(r := measure(server.url, reqs, args.max_num_seqs, watcher))
@@ -171,7 +173,8 @@ def main() -> int:
         "config": {"max_num_seqs": args.max_num_seqs, "max_model_len": args.max_model_len,
                    "kv_cache_memory_bytes": args.kv_cache_memory, "num_kv_blocks": snap["num_blocks"],
                    "poll_ms": args.poll_ms},
-        "workload": describe_workload(reqs, input_len="64-512", output_len="16-256", greedy=True, ignore_eos=True),
+        "workload": describe_workload(reqs, input_len="%d-%d" % tuple(args.input_len),
+                                      output_len="%d-%d" % tuple(args.output_len), greedy=True, ignore_eos=True),
         "rounds": {k: v for k, v in rounds.items() if v},
         "ratio_on_over_off": ratio(rounds["on"], rounds["off"]),
         "snapshot_cost_full_pool": cost,

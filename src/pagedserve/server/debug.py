@@ -126,7 +126,6 @@ def _register_login(app: FastAPI, api_key: str) -> None:
 
 def register_debug_routes(app: FastAPI, engine: Any, api_key: str | None = None) -> None:
     source = KVSnapshotSource(engine)
-    app.state.kv_snapshots = source
     files = {path: ((STATIC_DIR / name).read_bytes(), media) for path, (name, media) in DASHBOARD_FILES.items()}
 
     @app.get("/debug/kv")
