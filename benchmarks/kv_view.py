@@ -133,6 +133,9 @@ def main() -> int:
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--kv-cache-memory", type=int, default=2 << 30)
+    # One thread: on a shared 2-core machine a two-thread OpenMP team stalls whenever another process takes a
+    # core, which swamps the effect measured here.
+    p.add_argument("--num-threads", type=int, default=1)
     p.add_argument("--rounds", type=int, default=3, help="pairs of (off, on) rounds")
     p.add_argument("--poll-ms", type=int, default=500, help="the page's default interval")
     p.add_argument("--browser", action="store_true", help="one more pair with the page open in Chromium")
@@ -151,7 +154,7 @@ def main() -> int:
     server = Server("pagedserve", [sys.executable, "-m", "pagedserve.cli", "serve", "--port", str(port),
                                    "--max-model-len", str(args.max_model_len), "--kv-cache-memory",
                                    str(args.kv_cache_memory), "--max-num-seqs", str(args.max_num_seqs),
-                                   "--uvicorn-log-level", "warning"], port)
+                                   "--num-threads", str(args.num_threads), "--uvicorn-log-level", "warning"], port)
     poller = lambda: Poller(server.url, args.poll_ms / 1e3)  # noqa: E731
     rounds = {"off": [], "on": [], "browser_off": [], "browser_on": []}
     try:
@@ -172,6 +175,7 @@ def main() -> int:
         "machine": info, "command": " ".join(sys.argv),
         "config": {"max_num_seqs": args.max_num_seqs, "max_model_len": args.max_model_len,
                    "kv_cache_memory_bytes": args.kv_cache_memory, "num_kv_blocks": snap["num_blocks"],
+                   "num_threads": args.num_threads,
                    "poll_ms": args.poll_ms},
         "workload": describe_workload(reqs, input_len="%d-%d" % tuple(args.input_len),
                                       output_len="%d-%d" % tuple(args.output_len), greedy=True, ignore_eos=True),
