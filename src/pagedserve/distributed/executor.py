@@ -1,0 +1,179 @@
+"""Rank 0's side of tensor parallelism: starts ranks 1..N-1, mirrors every runner call to them, and turns
+any rank's death into EngineDeadError instead of a hang.
+
+The engine core keeps one scheduler and one set of block tables; it calls update_states / execute_model on
+a DistributedRunner exactly as on a ModelRunner. Each call goes to every worker first (a pipe per worker:
+the step's inputs are the pickled scheduler plan, a few KB), then runs on rank 0's own runner, whose
+collectives (gloo / NCCL) meet the workers' inside the model; then every worker answers ok or its error.
+
+    call ok on rank 0, every worker ok       -> rank 0's result (it sampled)
+    same error on every rank                 -> that error (a request's own failure: the core isolates it)
+    anything else: a worker exited, a pipe closed, an answer later than the collective timeout, ranks that
+    disagree                                 -> EngineDeadError; the workers are stopped, and every later call
+                                                raises it at once
+"""
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import socket
+import time
+import weakref
+from multiprocessing.connection import Connection
+
+import torch
+
+from pagedserve.config import EngineConfig
+from pagedserve.distributed.parallel_state import TensorParallelGroup, destroy_tensor_parallel, init_tensor_parallel
+from pagedserve.distributed.worker import describe, run_worker
+from pagedserve.engine.output_stream import EngineDeadError
+
+logger = logging.getLogger(__name__)
+
+# Loading a slice of the model can take minutes for a big checkpoint; a worker that is alive gets this long.
+LOAD_TIMEOUT_S = 1800.0
+# After the slowest collective, a worker still returns from the model and writes its answer.
+ANSWER_GRACE_S = 10.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _stop_workers(procs: list, conns: list[Connection]) -> None:
+    for conn in conns:
+        try:
+            conn.send(("shutdown", ()))
+        except (OSError, ValueError):
+            pass
+    deadline = time.monotonic() + 5.0
+    for proc in procs:
+        proc.join(max(0.0, deadline - time.monotonic()))
+        if proc.is_alive():
+            proc.kill()
+            proc.join(1.0)
+    for conn in conns:
+        conn.close()
+    destroy_tensor_parallel()
+
+
+class MultiprocExecutor:
+    def __init__(self, config: EngineConfig, device: torch.device) -> None:
+        par = config.parallel
+        if torch.distributed.is_initialized():
+            raise ValueError("a tensor-parallel engine is already running in this process; shut it down first "
+                             "(one process group per process)")
+        self.world_size = par.tensor_parallel_size
+        self.timeout_s = par.distributed_timeout_s
+        self.dead: str | None = None
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        ctx = mp.get_context("spawn")  # a fresh interpreter: no forked torch thread pools or CUDA state
+        self.procs: list = []
+        self.conns: list[Connection] = []
+        for rank in range(1, self.world_size):
+            parent_end, child_end = ctx.Pipe()
+            proc = ctx.Process(target=run_worker, args=(rank, config, init_method, child_end),
+                               name=f"pagedserve-tp-rank{rank}", daemon=True)
+            proc.start()
+            child_end.close()
+            self.procs.append(proc)
+            self.conns.append(parent_end)
+        # Workers are stopped when the engine is shut down, garbage-collected, or the interpreter exits.
+        self._finalizer = weakref.finalize(self, _stop_workers, self.procs, self.conns)
+        try:
+            self.tp: TensorParallelGroup = init_tensor_parallel(0, self.world_size, init_method, device,
+                                                                self.timeout_s)
+        except Exception:
+            self.shutdown()
+            raise
+
+    @property
+    def worker_pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def shutdown(self) -> None:
+        self._finalizer()
+
+    def wait_loaded(self) -> None:
+        # Each worker answers once its slice of the model is loaded (or with the error that stopped it).
+        errors = self._answers(LOAD_TIMEOUT_S)
+        if any(errors):
+            self.shutdown()
+            raise ValueError(f"a tensor-parallel rank failed to load the model: {next(e for e in errors if e)}")
+
+    def init_cache(self, resolved: EngineConfig, num_blocks: int, num_host_blocks: int) -> None:
+        self._send("init_cache", (resolved, num_blocks, num_host_blocks))
+        errors = self._answers(LOAD_TIMEOUT_S)
+        if any(errors):
+            raise self._die(f"a rank failed to allocate its KV cache: {next(e for e in errors if e)}")
+
+    def call(self, local_fn, method: str, *args):
+        """Run `method` on every worker and local_fn(*args) on rank 0, and check that the ranks agree."""
+        self._send(method, args)
+        try:
+            result = local_fn(*args)
+        except Exception as exc:  # noqa: BLE001 (classified below against the workers' answers)
+            errors = self._answers(self.timeout_s + ANSWER_GRACE_S, cause=exc)
+            if all(e == describe(exc) for e in errors):
+                raise  # the same failure everywhere: the request's, not the group's
+            raise self._die(f"rank 0 failed with {describe(exc)} while the other ranks answered {errors}") from exc
+        errors = self._answers(self.timeout_s + ANSWER_GRACE_S)
+        if any(errors):
+            raise self._die(f"rank {1 + next(i for i, e in enumerate(errors) if e)} failed in {method}: "
+                            f"{next(e for e in errors if e)}")
+        return result
+
+    def _send(self, method: str, args: tuple) -> None:
+        if self.dead is not None:
+            raise EngineDeadError(self.dead)
+        for rank, conn in enumerate(self.conns, start=1):
+            try:
+                conn.send((method, args))
+            except (OSError, ValueError) as exc:
+                raise self._die(f"tensor-parallel rank {rank} is gone ({describe(exc)})") from exc
+
+    def _answers(self, wait_s: float, cause: BaseException | None = None) -> list[str | None]:
+        # One answer per worker: None for ok, else its error message.
+        deadline = time.monotonic() + wait_s
+        out: list[str | None] = []
+        for rank, (proc, conn) in enumerate(zip(self.procs, self.conns), start=1):
+            while not conn.poll(0.05):
+                if not proc.is_alive():
+                    raise self._die(f"tensor-parallel rank {rank} (pid {proc.pid}) exited with code "
+                                    f"{proc.exitcode}") from cause
+                if time.monotonic() > deadline:
+                    raise self._die(f"tensor-parallel rank {rank} did not answer within {wait_s:g}s") from cause
+            try:
+                status, message = conn.recv()
+            except (EOFError, OSError) as exc:
+                raise self._die(f"tensor-parallel rank {rank} closed its pipe ({describe(exc)})") from exc
+            out.append(None if status == "ok" else message)
+        return out
+
+    def _die(self, reason: str) -> EngineDeadError:
+        # The group is broken (a collective may be half done); stop everything rather than guess.
+        if self.dead is None:
+            self.dead = reason
+            logger.error("tensor-parallel engine is dead: %s", reason)
+            self.shutdown()
+        return EngineDeadError(self.dead)
+
+
+class DistributedRunner:
+    """Rank 0's ModelRunner with every state change and forward pass mirrored on the workers."""
+
+    def __init__(self, local, executor: MultiprocExecutor) -> None:
+        self.local = local
+        self.executor = executor
+
+    def update_states(self, plan) -> None:
+        self.executor.call(self.local.update_states, "update_states", plan)
+
+    def execute_model(self, num_scheduled_tokens: dict[str, int]):
+        return self.executor.call(self.local.execute_model, "execute_model", num_scheduled_tokens)
+
+    def __getattr__(self, name: str):
+        # Everything else (input_batch, kv_caches, host_caches, ...) is rank 0's, for tests and benchmarks.
+        return getattr(self.local, name)
