@@ -109,11 +109,11 @@ class MultiprocExecutor:
         if any(errors):
             raise self._die(f"a rank failed to allocate its KV cache: {next(e for e in errors if e)}")
 
-    def call(self, local_fn, method: str, *args):
-        """Run `method` on every worker and local_fn(*args) on rank 0, and check that the ranks agree."""
+    def call(self, method: str, args: tuple, local):
+        """Run `method(*args)` on every worker and local() on rank 0, and check that the ranks agree."""
         self._send(method, args)
         try:
-            result = local_fn(*args)
+            result = local()
         except Exception as exc:  # noqa: BLE001 (classified below against the workers' answers)
             errors = self._answers(self.timeout_s + ANSWER_GRACE_S, cause=exc)
             if all(e == describe(exc) for e in errors):
@@ -162,17 +162,31 @@ class MultiprocExecutor:
 
 
 class DistributedRunner:
-    """Rank 0's ModelRunner with every state change and forward pass mirrored on the workers."""
+    """Rank 0's ModelRunner with every state change and forward pass mirrored on the workers.
+
+    The engine core calls update_states(plan) then execute_model(ids) once per plan; the plan travels to the
+    workers with the execute_model call, so a step costs one message and one answer per worker. Calls of
+    execute_model without a new plan (the core isolating a failing request) send only the ids."""
 
     def __init__(self, local, executor: MultiprocExecutor) -> None:
         self.local = local
         self.executor = executor
+        self._plan = None  # applied on rank 0, not yet sent
 
     def update_states(self, plan) -> None:
-        self.executor.call(self.local.update_states, "update_states", plan)
+        try:
+            self.local.update_states(plan)
+        except Exception as exc:
+            # Rank 0's batch has part of the plan and the workers none of it: the ranks cannot agree again.
+            raise self.executor._die(f"rank 0 failed to apply a plan: {describe(exc)}") from exc
+        self._plan = plan
 
     def execute_model(self, num_scheduled_tokens: dict[str, int]):
-        return self.executor.call(self.local.execute_model, "execute_model", num_scheduled_tokens)
+        plan, self._plan = self._plan, None
+        run_local = lambda: self.local.execute_model(num_scheduled_tokens)  # noqa: E731
+        if plan is None:
+            return self.executor.call("execute_model", (num_scheduled_tokens,), run_local)
+        return self.executor.call("step", (plan, num_scheduled_tokens), run_local)
 
     def __getattr__(self, name: str):
         # Everything else (input_batch, kv_caches, host_caches, ...) is rank 0's, for tests and benchmarks.

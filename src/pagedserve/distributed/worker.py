@@ -3,9 +3,13 @@
 The engine process (rank 0) drives it over a pipe with the runner's two calls, in the order rank 0 makes them:
 
     rank 0 (engine)                                  rank r (this process)
-    send ("update_states", plan) ------------------> runner.update_states(plan)   (batch rows, block ops)
-    send ("execute_model", scheduled) -------------> runner.execute_model(...)    (collectives with rank 0)
+    send ("step", (plan, scheduled)) --------------> runner.update_states(plan)   (batch rows, block ops)
+                                                     runner.execute_model(...)    (collectives with rank 0)
     <--------------------------------------------- ("ok", None) or ("error", message)
+    send ("execute_model", (scheduled,)) ----------> a subset again, when the core isolates a failing request
+
+Commands travel over a pipe, not a collective: a worker waits for the next step without a timeout (an idle
+engine is not a dead one), while every collective inside the step has one.
 
 The plan is the scheduler's, unchanged: block tables live in the scheduler and every rank applies the same
 diff, so all ranks address the same slots. The worker's runner never samples (rank 0 does).
@@ -73,8 +77,12 @@ def _serve(rank: int, config: EngineConfig, init_method: str, conn: Connection) 
                 if num_host_blocks:
                     runner.host_caches = allocate_host_caches(hf.num_hidden_layers, num_host_blocks, bs,
                                                               num_kv_heads, head_dim, dtype, device)
+            elif method == "step":  # a new plan, then its forward pass
+                plan, num_scheduled_tokens = args
+                runner.update_states(plan)
+                runner.execute_model(num_scheduled_tokens)
             else:
-                getattr(runner, method)(*args)
+                runner.execute_model(*args)
         except Exception as exc:  # noqa: BLE001 (reported to rank 0, which decides)
             logger.exception("rank %d: %s failed", rank, method)
             conn.send(("error", describe(exc)))
