@@ -172,20 +172,21 @@ def _load_hf_dir(path: str, model_name: str, device: torch.device, dtype: torch.
         model.load_weights(_iter_safetensors(files))
     else:
         model = model_cls(local_config, backend, device=device, dtype=dtype, tp=tp, vocab_size=hf_config.vocab_size)
-        model.load_weights(shard_weights(_iter_safetensors(files), tp, hf_config.vocab_size))
+        model.load_weights(shard_weights(_iter_safetensors(files, lazy=True), tp, hf_config.vocab_size))
     return LoadedModel(model=model.eval(), hf_config=hf_config, tokenizer=tokenizer,
                        chat_template=getattr(tokenizer, "chat_template", None),
                        eos_token_ids=_eos_token_ids(path, hf_config, tokenizer),
                        max_model_len=_max_model_len(hf_config), model_name=model_name)
 
 
-def _iter_safetensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_safetensors(files: list[str], lazy: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    # lazy: yield safetensors slices, read only where indexed (a tensor-parallel rank reads its rows).
     from safetensors import safe_open
 
     for file in files:
         with safe_open(file, framework="pt", device="cpu") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                yield name, f.get_slice(name) if lazy else f.get_tensor(name)
 
 
 def _eos_token_ids(path: str, hf_config, tokenizer) -> list[int]:

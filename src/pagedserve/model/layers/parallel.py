@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -54,22 +55,25 @@ def shard_config(hf_config, world_size: int):
     return local
 
 
-def shard_weights(weights: Iterable[tuple[str, torch.Tensor]], tp: TensorParallelGroup,
+def shard_weights(weights: Iterable[tuple[str, Any]], tp: TensorParallelGroup,
                   vocab_size: int) -> Iterator[tuple[str, torch.Tensor]]:
-    """This rank's slice of each full checkpoint tensor, under the same name."""
+    """This rank's slice of each checkpoint tensor, under the same name. A weight is a tensor or a lazy
+    safetensors slice (get_shape() and [] indexing), so a rank reads only its own rows from disk."""
     rank, n = tp.rank, tp.world_size
-    for name, tensor in weights:
+    for name, weight in weights:
+        shape = weight.get_shape() if hasattr(weight, "get_shape") else weight.shape
         dim = next((d for suffix, d in _SPLIT_DIM.items() if name.endswith(suffix)), None)
         if dim is not None:
-            yield name, tensor.chunk(n, dim=dim)[rank].contiguous()
+            size = shape[dim] // n  # divides: shard_config checked heads and MLP width
+            part = weight[rank * size:(rank + 1) * size] if dim == 0 else weight[:, rank * size:(rank + 1) * size]
         elif name.endswith(_VOCAB_NAMES):
             rows = vocab_shard_size(vocab_size, n)
-            part = tensor[rank * rows:(rank + 1) * rows]
+            part = weight[rank * rows:(rank + 1) * rows]
             if part.shape[0] < rows:
                 part = torch.cat([part, part.new_zeros(rows - part.shape[0], *part.shape[1:])])
-            yield name, part.contiguous()
         else:
-            yield name, tensor
+            part = weight[:]
+        yield name, part.contiguous()
 
 
 class RowParallelLinear(Linear):
