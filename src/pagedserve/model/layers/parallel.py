@@ -4,7 +4,8 @@ Each rank builds the ordinary Llama module tree from a *sharded config* (its sha
 MLP columns and vocabulary) and loads its slices of the checkpoint. Three places then talk to the others:
 
     qkv_proj, gate_up_proj   column-parallel: each rank computes its own heads / MLP columns; no traffic
-    o_proj, down_proj        row-parallel: each rank's partial product, summed by an all-reduce (bias after)
+    o_proj, down_proj        row-parallel: each rank's partial product, summed by an all-reduce (the bias
+                             is rank 0's; the others hold zeros)
     embed_tokens             vocab-parallel: a rank looks up the ids in its vocab range, zeros elsewhere,
                              and an all-reduce sums the rows
     LM head                  vocab-parallel: each rank's logits for its vocab range, all-gathered (then the
@@ -25,15 +26,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.distributed.parallel_state import TensorParallelGroup, check_divisible
-from pagedserve.model.layers.linear import Linear, packed_linear, quant_linear
+from pagedserve.model.layers.linear import Linear
 
 # Checkpoint name suffix -> the dim split across ranks. Column-parallel weights split their output rows,
-# row-parallel ones their input columns (their bias stays whole: it is added once, after the sum).
+# row-parallel ones their input columns; a row-parallel bias is held by rank 0 and zero on the others.
 _SPLIT_DIM = {"q_proj.weight": 0, "k_proj.weight": 0, "v_proj.weight": 0,
               "q_proj.bias": 0, "k_proj.bias": 0, "v_proj.bias": 0,
               "gate_proj.weight": 0, "up_proj.weight": 0, "gate_proj.bias": 0, "up_proj.bias": 0,
               "o_proj.weight": 1, "down_proj.weight": 1}
 _VOCAB_NAMES = ("embed_tokens.weight", "lm_head.weight")
+_ROW_PARALLEL_BIASES = ("o_proj.bias", "down_proj.bias")
 
 
 def vocab_shard_size(vocab_size: int, world_size: int) -> int:
@@ -73,6 +75,8 @@ def shard_weights(weights: Iterable[tuple[str, Any]], tp: TensorParallelGroup,
                 part = torch.cat([part, part.new_zeros(rows - part.shape[0], *part.shape[1:])])
         else:
             part = weight[:]
+            if rank and name.endswith(_ROW_PARALLEL_BIASES):
+                part = torch.zeros_like(part)
         yield name, part.contiguous()
 
 
@@ -80,12 +84,9 @@ class RowParallelLinear(Linear):
     tp: TensorParallelGroup
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # The same fast paths as Linear, without the bias: it joins once, after the ranks' partial sums.
-        y = quant_linear(x, self.exact_blocks)
-        if y is None:
-            y = packed_linear(x, self.weight, self.packed_weight)
-        self.tp.all_reduce(y)
-        return y if self.bias is None else y + self.bias
+        # Linear's own paths on this rank's columns; the bias is rank 0's alone (zero elsewhere, see
+        # shard_weights), so it is counted once in the sum.
+        return self.tp.all_reduce(super().forward(x))
 
 
 class VocabParallelEmbedding(nn.Embedding):
