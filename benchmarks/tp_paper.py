@@ -70,8 +70,8 @@ MODELS = {
 HARDWARE = {
     # One socket of a 2-socket Xeon 8480+ (Sapphire Rapids): 8 x DDR5-4800 = 307 GB/s, 56 cores x AVX-512
     # (2 FMA x 16 fp32 lanes x 2 FLOP x 2.0 GHz) = 7.2 TFLOP/s fp32; 4 UPI 2.0 links at 16 GT/s ~ 100 GB/s
-    # per direction in practice. alpha: gloo over loopback TCP (measured on this host, see the doc) vs a
-    # shared-memory all-reduce (a few microseconds; what vLLM's CPU backend uses).
+    # per direction in practice. alpha: gloo over loopback TCP (60 us assumed; benchmarks/tp_allreduce.py
+    # measures it) vs a shared-memory all-reduce (a few microseconds; what vLLM's CPU backend uses).
     "xeon-socket-gloo": Hardware("2-socket Xeon, 1 rank/socket, gloo", 7.2e12, 307e9, 100e9, 60e-6, 4, 512e9),
     "xeon-socket-shm": Hardware("2-socket Xeon, 1 rank/socket, shm all-reduce", 7.2e12, 307e9, 100e9, 5e-6, 4, 512e9),
     # H100 SXM5: 989 TFLOP/s dense bf16, 3.35 TB/s HBM3, NVLink 4 450 GB/s per direction; NCCL small-message
