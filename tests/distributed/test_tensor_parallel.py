@@ -3,11 +3,14 @@ from __future__ import annotations
 
 import gc
 import math
+import time
 
+import psutil
 import pytest
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.engine.arg_utils import EngineArgs
+from pagedserve.engine.output_stream import EngineDeadError
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "1, 2, 3, 4,"]
 KV_BYTES = 16 << 20
@@ -59,14 +62,27 @@ def test_engine_args_and_cli_flag() -> None:
         EngineArgs(tensor_parallel_size=0).create_engine_config()
 
 
-def test_tp2_tiny_random_model_matches_tp1(tiny_tp_dir) -> None:
+def test_tp2_tiny_random_model_matches_tp1_and_a_hung_rank_times_out(tiny_tp_dir) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2, prompt_logprobs=2)
     base, _ = run(tiny_tp_dir, 1, params)
-    sharded, llm = run(tiny_tp_dir, 2, params)
-    assert_same(base, sharded)
-    # Each rank holds half the KV heads of every block; the block count is the TP=1 engine's for the same
-    # per-rank budget times two (the budget is per rank).
-    assert llm.llm_engine.runner.kv_caches[0].shape[3] == 1
+    llm = LLM(tiny_tp_dir, tensor_parallel_size=2, kv_cache_memory_bytes=KV_BYTES, max_num_seqs=4,
+              distributed_timeout=5)
+    core = llm.llm_engine.core
+    try:
+        assert_same(base, generate(llm, params))
+        assert llm.llm_engine.runner.kv_caches[0].shape[3] == 1  # 2 KV heads / 2 ranks, in every block
+        # A rank that stops answering (SIGSTOP: alive, silent) fails the step after the collective timeout.
+        worker = psutil.Process(core.executor.worker_pids[0])
+        worker.suspend()
+        t0 = time.monotonic()
+        with pytest.raises(EngineDeadError, match="rank 1"):
+            llm.generate("Hello", params, use_tqdm=False)
+        assert time.monotonic() - t0 < 30
+        assert not worker.is_running() or worker.status() == psutil.STATUS_ZOMBIE  # stopped by the engine
+        with pytest.raises(EngineDeadError):  # and every later call fails at once
+            llm.generate("Hello", params, use_tqdm=False)
+    finally:
+        core.shutdown()
     del llm
     gc.collect()
 

@@ -36,6 +36,11 @@ LOAD_TIMEOUT_S = 1800.0
 ANSWER_GRACE_S = 10.0
 
 
+def answer_wait_s(timeout_s: float) -> float:
+    # A worker blocked in a collective gives up after timeout_s, then answers.
+    return timeout_s + min(ANSWER_GRACE_S, timeout_s)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -115,11 +120,11 @@ class MultiprocExecutor:
         try:
             result = local()
         except Exception as exc:  # noqa: BLE001 (classified below against the workers' answers)
-            errors = self._answers(self.timeout_s + ANSWER_GRACE_S, cause=exc)
+            errors = self._answers(answer_wait_s(self.timeout_s), cause=exc)
             if all(e == describe(exc) for e in errors):
                 raise  # the same failure everywhere: the request's, not the group's
             raise self._die(f"rank 0 failed with {describe(exc)} while the other ranks answered {errors}") from exc
-        errors = self._answers(self.timeout_s + ANSWER_GRACE_S)
+        errors = self._answers(answer_wait_s(self.timeout_s))
         if any(errors):
             raise self._die(f"rank {1 + next(i for i, e in enumerate(errors) if e)} failed in {method}: "
                             f"{next(e for e in errors if e)}")
@@ -157,6 +162,9 @@ class MultiprocExecutor:
         if self.dead is None:
             self.dead = reason
             logger.error("tensor-parallel engine is dead: %s", reason)
+            for proc in self.procs:  # no goodbye: a worker may be stuck in a collective or stopped
+                if proc.is_alive():
+                    proc.kill()
             self.shutdown()
         return EngineDeadError(self.dead)
 
