@@ -165,12 +165,27 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class ParallelConfig:
+    # Ranks that each hold a slice of every layer (distributed/); 1 runs the model in the engine process.
+    tensor_parallel_size: int = 1
+    # How long a collective waits for a missing rank before the engine gives up (a dead or stuck rank).
+    distributed_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.distributed_timeout_s <= 0:
+            raise ValueError(f"distributed_timeout must be > 0 seconds, got {self.distributed_timeout_s}")
+
+
+@dataclass(frozen=True, slots=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
     speculative: SpeculativeConfig | None = None
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
 
 def resolve_limits(config: EngineConfig, model_max_len: int, num_blocks: int) -> EngineConfig:

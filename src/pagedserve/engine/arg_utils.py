@@ -10,7 +10,8 @@ from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
 from pagedserve.config import (ATTENTION_BACKENDS, CHUNKED_PREFILL_BATCHED_TOKENS, DTYPES, CacheConfig,
-                               DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig)
+                               DeviceConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig,
+                               SpeculativeConfig)
 
 
 def _default(cls: type, name: str) -> Any:
@@ -43,6 +44,8 @@ class EngineArgs:
     num_threads: int | None = _default(DeviceConfig, "num_threads")
     # JSON text, a dict or a SpeculativeConfig (vLLM's --speculative-config); None = no speculation.
     speculative_config: SpeculativeConfig | dict | str | None = None
+    tensor_parallel_size: int = _default(ParallelConfig, "tensor_parallel_size")
+    distributed_timeout: float = _default(ParallelConfig, "distributed_timeout_s")  # seconds
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -80,7 +83,12 @@ class EngineArgs:
         g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
                        default=d.enable_chunked_prefill)
         g.add_argument("--device", default=d.device, help="auto, cpu, cuda or cuda:N")
-        g.add_argument("--num-threads", type=int, default=d.num_threads, help="torch CPU threads")
+        g.add_argument("--num-threads", type=int, default=d.num_threads,
+                       help="torch CPU threads (per rank with tensor parallelism; default: the cores / ranks)")
+        g.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size, metavar="N",
+                       help="split every layer across N ranks, one process each (gloo on CPU, NCCL on CUDA)")
+        g.add_argument("--distributed-timeout", type=float, default=d.distributed_timeout, metavar="SECONDS",
+                       help="how long a rank waits for the others in a collective before the engine fails")
         g.add_argument("--speculative-config", default=None, metavar="JSON",
                        help='speculative decoding, e.g. {"method": "ngram", "num_speculative_tokens": 3, '
                             '"prompt_lookup_max": 3}')
@@ -104,4 +112,5 @@ class EngineArgs:
                               self.preemption_mode),
             scheduler=scheduler,
             device=DeviceConfig(self.device, self.num_threads),
-            speculative=SpeculativeConfig.parse(self.speculative_config))
+            speculative=SpeculativeConfig.parse(self.speculative_config),
+            parallel=ParallelConfig(self.tensor_parallel_size, self.distributed_timeout))

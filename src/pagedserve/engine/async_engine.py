@@ -28,7 +28,7 @@ from pagedserve.core.request import RequestStatus
 from pagedserve.core.scheduler_output import SchedulerStats
 from pagedserve.engine.output_processor import OutputProcessor, ProcessedOutputs
 from pagedserve.metrics.stats import SpecDecodingStats
-from pagedserve.engine.output_stream import EngineClosedError, EngineError, OutputStream
+from pagedserve.engine.output_stream import EngineClosedError, EngineDeadError, EngineError, OutputStream
 from pagedserve.engine.processor import Processor, PromptInput
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams
 
@@ -291,6 +291,9 @@ class AsyncLLMEngine:
                 self._take_snapshot()
             except Exception:  # noqa: BLE001
                 logger.exception("final stats snapshot failed")
+            shutdown = getattr(self.core, "shutdown", None)
+            if shutdown is not None:
+                shutdown()  # stops tensor-parallel workers
 
     def _engine_loop(self) -> None:
         core = self.core
@@ -308,6 +311,12 @@ class AsyncLLMEngine:
             self._busy_since = time.monotonic()
             try:
                 outputs = core.step()
+            except EngineDeadError as exc:
+                # A tensor-parallel rank is gone: fail what is in flight with the reason, and stop (the
+                # engine is no longer running, so /health turns unhealthy).
+                logger.error("engine dead, stopping: %s", exc)
+                self._to_loop(self._fail_streams, f"the engine died: {exc}", True)
+                return
             except Exception as exc:  # noqa: BLE001 (a bug outside any one request: fail them, keep serving)
                 logger.exception("engine step failed; failing every request in flight")
                 core.finish_requests(list(core.scheduler.requests))

@@ -24,6 +24,9 @@ from pagedserve.core.request import Request, RequestStatus
 from pagedserve.core.scheduler import Scheduler
 from pagedserve.core.scheduler_output import (ModelRunnerOutput, PromptLogprobsChunk, SchedulerOutput,
                                               SpecDecodeOutput)
+from pagedserve.distributed.executor import DistributedRunner
+from pagedserve.distributed.parallel_state import rank_device, threads_per_rank
+from pagedserve.engine.output_stream import EngineDeadError
 from pagedserve.metrics.stats import EngineStats, RequestStats
 from pagedserve.model.loader import load_model
 from pagedserve.sampling_params import SamplingParams
@@ -84,17 +87,32 @@ class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         device = torch.device(config.device.resolve())
-        if config.device.num_threads:
-            torch.set_num_threads(config.device.num_threads)
+        tp_size = config.parallel.tensor_parallel_size
+        # Ranks 1..N-1 run in their own processes (distributed/); None when the model runs here alone.
+        if tp_size > 1:
+            device = rank_device(device, 0)
+        self.executor = start_executor(config, device) if tp_size > 1 else None
+        try:
+            self._build(config, device)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _build(self, config: EngineConfig, device: torch.device) -> None:
+        tp_size = config.parallel.tensor_parallel_size
+        if config.device.num_threads or tp_size > 1:
+            torch.set_num_threads(threads_per_rank(config.device.num_threads, tp_size))
         dtype = getattr(torch, config.model.dtype)
         t0 = time.perf_counter()
         loaded = load_model(config.model.model, device, dtype, config.model.attention_backend,
-                            config.model.tokenizer)
+                            config.model.tokenizer, tp=self.executor.tp if self.executor else None)
+        if self.executor:
+            self.executor.wait_loaded()
         # The core never reads text; the front-end takes the loaded tokenizer and template from here.
         self.loaded = loaded
         self.model_name = loaded.model_name
         self.hf_config = hf = loaded.hf_config
-        num_kv_heads = hf.num_key_value_heads
+        num_kv_heads = hf.num_key_value_heads // tp_size  # each rank holds its KV heads of every block
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         bs = config.cache.block_size
         num_blocks = plan_num_blocks(config.cache, hf.num_hidden_layers, num_kv_heads, head_dim, dtype, device)
@@ -114,6 +132,9 @@ class EngineCore:
         if num_host_blocks:
             self.runner.host_caches = allocate_host_caches(hf.num_hidden_layers, num_host_blocks, bs,
                                                            num_kv_heads, head_dim, dtype, device)
+        if self.executor:
+            self.executor.init_cache(config, num_blocks, num_host_blocks)
+            self.runner = DistributedRunner(self.runner, self.executor)
         self.stats = EngineStats()
         self.proposer = make_proposer(config.speculative)
         # Samples of one user request (a sample's group is the sample it forks, or itself), so metrics count
@@ -122,6 +143,11 @@ class EngineCore:
         self._groups: dict[str, list[Request]] = {}
         logger.info("loaded %s in %.1fs on %s; KV pool: %d blocks x %d tokens = %d tokens",
                     self.model_name, time.perf_counter() - t0, device, num_blocks, bs, num_blocks * bs)
+
+    def shutdown(self) -> None:
+        # Stops the tensor-parallel workers; a single-process core holds nothing that needs stopping.
+        if self.executor is not None:
+            self.executor.shutdown()
 
     @property
     def num_kv_blocks(self) -> int:
@@ -248,6 +274,8 @@ class EngineCore:
         scheduled = plan.num_scheduled_tokens
         try:
             return self.runner.execute_model(scheduled)
+        except EngineDeadError:
+            raise  # no step can run any more: not a request's failure
         except Exception as exc:  # noqa: BLE001 (contained below, per request)
             if len(scheduled) == 1:
                 failures.errors[next(iter(scheduled))] = _describe(exc)
@@ -258,6 +286,8 @@ class EngineCore:
         for req_id, num_tokens in scheduled.items():
             try:
                 parts.append(self.runner.execute_model({req_id: num_tokens}))
+            except EngineDeadError:
+                raise
             except Exception as exc:  # noqa: BLE001
                 logger.exception("request %s failed inside a step", req_id)
                 failures.errors[req_id] = _describe(exc)
@@ -275,6 +305,16 @@ def _emitted_logprobs(result: ModelRunnerOutput, j: int, num_tokens: int) -> Sam
         ranks = spec.ranks[j] + ranks
         top = spec.top_logprobs[j] + top
     return SampledLogprobs(logprobs[:num_tokens], ranks[:num_tokens], top[:num_tokens])
+
+
+def start_executor(config: EngineConfig, device: torch.device):
+    # Checks that the heads divide before any process starts, then starts ranks 1..N-1.
+    from pagedserve.distributed.executor import MultiprocExecutor
+    from pagedserve.distributed.parallel_state import check_divisible
+    from pagedserve.model.loader import read_config, resolve_model_dir
+
+    check_divisible(read_config(resolve_model_dir(config.model.model)[0]), config.parallel.tensor_parallel_size)
+    return MultiprocExecutor(config, device)
 
 
 def merge_runner_outputs(parts: list[ModelRunnerOutput]) -> ModelRunnerOutput:

@@ -21,6 +21,10 @@ class EngineClosedError(RuntimeError):
     """The engine was shut down."""
 
 
+class EngineDeadError(EngineClosedError):
+    """The engine cannot run another step (a tensor-parallel rank died or stopped answering); it is closed."""
+
+
 @dataclass(slots=True, eq=False)
 class OutputStream:
     """Outputs of one or more requests added together (a completion with several prompts).

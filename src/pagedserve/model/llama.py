@@ -23,10 +23,12 @@ from torch import nn
 from pagedserve.attention.backend import AttentionBackend
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.attention.reference import ReferenceAttentionBackend
+from pagedserve.distributed.parallel_state import TensorParallelGroup
 from pagedserve.model.layers.activation import SiluAndMul
 from pagedserve.model.layers.linear import (Linear, find_exact_blocks, pack_linear_weights, pack_weight,
                                             packed_linear, quant_linear)
 from pagedserve.model.layers.norm import RMSNorm
+from pagedserve.model.layers.parallel import embedding, gather_logits, row_linear
 from pagedserve.model.layers.rotary import RotaryEmbedding
 
 # HF shard name -> (fused param name, shard index)
@@ -42,7 +44,7 @@ def _linear(in_features: int, out_features: int, bias: bool, device, dtype) -> L
 
 class LlamaAttention(nn.Module):
     def __init__(self, hf_config, attn_backend: AttentionBackend, device, dtype,
-                 rotary_emb: RotaryEmbedding | None = None) -> None:
+                 rotary_emb: RotaryEmbedding | None = None, tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
         hidden = hf_config.hidden_size
         self.num_heads = hf_config.num_attention_heads
@@ -56,7 +58,7 @@ class LlamaAttention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = _linear(hidden, self.q_size + 2 * self.kv_size, is_qwen2 or attention_bias, device, dtype)
-        self.o_proj = _linear(self.q_size, hidden, attention_bias and not is_qwen2, device, dtype)
+        self.o_proj = row_linear(self.q_size, hidden, attention_bias and not is_qwen2, device, dtype, tp)
         # One instance shared by all layers (its cos/sin table is built once per model).
         self.rotary_emb = rotary_emb or RotaryEmbedding(hf_config, self.head_dim, device=device)
         self.attn_backend = attn_backend
@@ -75,7 +77,7 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, hf_config, device, dtype) -> None:
+    def __init__(self, hf_config, device, dtype, tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
         act = getattr(hf_config, "hidden_act", "silu")
         if act != "silu":
@@ -83,7 +85,7 @@ class LlamaMLP(nn.Module):
         bias = bool(getattr(hf_config, "mlp_bias", False))
         hidden, inter = hf_config.hidden_size, hf_config.intermediate_size
         self.gate_up_proj = _linear(hidden, 2 * inter, bias, device, dtype)
-        self.down_proj = _linear(inter, hidden, bias, device, dtype)
+        self.down_proj = row_linear(inter, hidden, bias, device, dtype, tp)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -92,13 +94,13 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, hf_config, attn_backend: AttentionBackend, device, dtype,
-                 rotary_emb: RotaryEmbedding | None = None) -> None:
+                 rotary_emb: RotaryEmbedding | None = None, tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
         eps = hf_config.rms_norm_eps
         self.input_layernorm = RMSNorm(hf_config.hidden_size, eps, device=device, dtype=dtype)
-        self.self_attn = LlamaAttention(hf_config, attn_backend, device, dtype, rotary_emb)
+        self.self_attn = LlamaAttention(hf_config, attn_backend, device, dtype, rotary_emb, tp)
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, eps, device=device, dtype=dtype)
-        self.mlp = LlamaMLP(hf_config, device, dtype)
+        self.mlp = LlamaMLP(hf_config, device, dtype, tp)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -130,27 +132,32 @@ def sliding_windows(hf_config) -> list[int | None]:
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, hf_config, attn_backend: AttentionBackend, device, dtype) -> None:
+    def __init__(self, hf_config, attn_backend: AttentionBackend, device, dtype,
+                 tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
-        self.embed_tokens = nn.utils.skip_init(nn.Embedding, hf_config.vocab_size, hf_config.hidden_size,
-                                               device=device, dtype=dtype)
+        self.embed_tokens = embedding(hf_config.vocab_size, hf_config.hidden_size, device, dtype, tp)
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
         rotary_emb = RotaryEmbedding(hf_config, head_dim, device=device)
         windows = sliding_windows(hf_config)
         windowed = {w: ReferenceAttentionBackend(sliding_window=w) for w in set(windows) if w is not None}
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(hf_config, attn_backend if w is None else windowed[w], device, dtype, rotary_emb)
+            LlamaDecoderLayer(hf_config, attn_backend if w is None else windowed[w], device, dtype, rotary_emb, tp)
             for w in windows)
         self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, device=device, dtype=dtype)
 
 
 class LlamaForCausalLM(nn.Module):
     def __init__(self, hf_config, attn_backend: AttentionBackend, *, device: torch.device | str | None = None,
-                 dtype: torch.dtype | None = None) -> None:
+                 dtype: torch.dtype | None = None, tp: TensorParallelGroup | None = None,
+                 vocab_size: int | None = None) -> None:
+        # With tensor parallelism hf_config is this rank's slice (model/layers/parallel.py: shard_config) and
+        # vocab_size the whole vocabulary, which the gathered logits are cut to.
         super().__init__()
         device = torch.device("cpu") if device is None else torch.device(device)  # skip_init needs one
         self.config = hf_config
-        self.model = LlamaModel(hf_config, attn_backend, device, dtype)
+        self.tp = tp
+        self.vocab_size = vocab_size or hf_config.vocab_size
+        self.model = LlamaModel(hf_config, attn_backend, device, dtype, tp)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         # Tied: logits reuse the embedding matrix; no separate lm_head parameter exists.
         self.lm_head = None if self.tie_word_embeddings else _linear(
@@ -178,6 +185,9 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm.forward_residual(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return gather_logits(self._local_logits(hidden), self.tp, self.vocab_size)
+
+    def _local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         logits = quant_linear(hidden, self._lm_head_blocks)
         if logits is not None:

@@ -28,9 +28,11 @@ from torch import nn
 
 from pagedserve import envs
 from pagedserve.attention.backend import get_attention_backend
+from pagedserve.model.layers.parallel import shard_config, shard_weights
 from pagedserve.model.registry import get_model_class, resolve_architecture
 
 if TYPE_CHECKING:
+    from pagedserve.distributed.parallel_state import TensorParallelGroup
     from transformers import PretrainedConfig, PreTrainedTokenizerFast
 
 logger = logging.getLogger(__name__)
@@ -75,21 +77,28 @@ def default_model_path() -> str:
 
 def load_model(path: str | None = None, device: str | torch.device = "cpu",
                dtype: torch.dtype | str = torch.float32, attn_backend: str = "reference",
-               tokenizer: str | None = None) -> LoadedModel:
+               tokenizer: str | None = None, tp: TensorParallelGroup | None = None) -> LoadedModel:
     # tokenizer: a Hugging Face tokenizer directory used instead of the model's own tokenizer.
-    path = default_model_path() if path is None else os.path.abspath(os.path.expanduser(str(path)))
+    # tp: load this rank's slice of the model (tensor parallelism); hf_config stays the whole model's.
     device, dtype = torch.device(device), _as_dtype(dtype)
-    if not os.path.exists(path):
-        raise ValueError(f"model path does not exist: {path}")
     if tokenizer is not None:
         tokenizer = os.path.abspath(os.path.expanduser(tokenizer))
         if not os.path.isdir(tokenizer):
             raise ValueError(f"tokenizer path is not a directory: {tokenizer} (expected a Hugging Face "
                              "tokenizer directory with tokenizer.json)")
+    model_dir, name = resolve_model_dir(path)
+    return _load_hf_dir(model_dir, name, device, dtype, attn_backend, tokenizer, tp)
+
+
+def resolve_model_dir(path: str | None) -> tuple[str, str]:
+    """(Hugging Face directory, model name) for a model path; a GGUF file is converted once into the cache."""
+    path = default_model_path() if path is None else os.path.abspath(os.path.expanduser(str(path)))
+    if not os.path.exists(path):
+        raise ValueError(f"model path does not exist: {path}")
     if os.path.isdir(path):
         if not os.path.isfile(os.path.join(path, "config.json")):
             raise ValueError(f"{path} is a directory without config.json; expected a Hugging Face model directory")
-        return _load_hf_dir(path, os.path.basename(path.rstrip(os.sep)), device, dtype, attn_backend, tokenizer)
+        return path, os.path.basename(path.rstrip(os.sep))
     with open(path, "rb") as f:
         if f.read(4) != GGUF_MAGIC:
             raise ValueError(f"{path} is not a GGUF file (bad magic bytes) and not a model directory")
@@ -97,7 +106,17 @@ def load_model(path: str | None = None, device: str | torch.device = "cpu",
     cache_dir = _cache_dir_for(path, name)
     if not _is_complete(cache_dir):
         _convert_gguf(path, cache_dir)
-    return _load_hf_dir(cache_dir, name, device, dtype, attn_backend, tokenizer)
+    return cache_dir, name
+
+
+def read_config(path: str):
+    # The model's config.json from a directory resolve_model_dir returned.
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(path)
+    except Exception as e:  # noqa: BLE001 - transformers raises many types for bad configs
+        raise ValueError(f"cannot read config.json in {path}: {e}") from e
 
 
 def _as_dtype(dtype: torch.dtype | str) -> torch.dtype:
@@ -123,14 +142,13 @@ def _is_complete(cache_dir: str) -> bool:
 # ---------------------------------------------------------------- Hugging Face directory (also the GGUF cache)
 
 def _load_hf_dir(path: str, model_name: str, device: torch.device, dtype: torch.dtype,
-                 attn_backend: str, tokenizer_path: str | None = None) -> LoadedModel:
-    from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerFast
+                 attn_backend: str, tokenizer_path: str | None = None,
+                 tp: TensorParallelGroup | None = None) -> LoadedModel:
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    try:
-        hf_config = AutoConfig.from_pretrained(path)
-    except Exception as e:  # noqa: BLE001 - transformers raises many types for bad configs
-        raise ValueError(f"cannot read config.json in {path}: {e}") from e
+    hf_config = read_config(path)
     model_cls = get_model_class(resolve_architecture(hf_config))  # ValueError before any heavy work
+    local_config = hf_config if tp is None else shard_config(hf_config, tp.world_size)  # heads must divide
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise ValueError(f"no *.safetensors weights in {path}")
@@ -148,21 +166,27 @@ def _load_hf_dir(path: str, model_name: str, device: torch.device, dtype: torch.
         raise ValueError(f"the tokenizer in {tokenizer_path} has {len(tokenizer)} tokens, more than the model's "
                          f"vocabulary of {hf_config.vocab_size}")
 
-    model = model_cls(hf_config, get_attention_backend(attn_backend, device), device=device, dtype=dtype)
-    model.load_weights(_iter_safetensors(files))
+    backend = get_attention_backend(attn_backend, device)
+    if tp is None:
+        model = model_cls(hf_config, backend, device=device, dtype=dtype)
+        model.load_weights(_iter_safetensors(files))
+    else:
+        model = model_cls(local_config, backend, device=device, dtype=dtype, tp=tp, vocab_size=hf_config.vocab_size)
+        model.load_weights(shard_weights(_iter_safetensors(files, lazy=True), tp, hf_config.vocab_size))
     return LoadedModel(model=model.eval(), hf_config=hf_config, tokenizer=tokenizer,
                        chat_template=getattr(tokenizer, "chat_template", None),
                        eos_token_ids=_eos_token_ids(path, hf_config, tokenizer),
                        max_model_len=_max_model_len(hf_config), model_name=model_name)
 
 
-def _iter_safetensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_safetensors(files: list[str], lazy: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    # lazy: yield safetensors slices, read only where indexed (a tensor-parallel rank reads its rows).
     from safetensors import safe_open
 
     for file in files:
         with safe_open(file, framework="pt", device="cpu") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                yield name, f.get_slice(name) if lazy else f.get_tensor(name)
 
 
 def _eos_token_ids(path: str, hf_config, tokenizer) -> list[int]:

@@ -33,8 +33,11 @@ class StepInputs:
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], block_size: int,
                  vocab_size: int, device: torch.device, max_num_reqs: int = 64, max_model_len: int = 2048,
-                 seed: int = 0) -> None:
+                 seed: int = 0, driver: bool = True) -> None:
         self.model = model
+        # False on tensor-parallel ranks 1..N-1: they run the model (their collectives included) and leave
+        # sampling to rank 0.
+        self.driver = driver
         self.kv_caches = kv_caches
         self.host_caches: list[torch.Tensor] = []  # the swap pool, set by the engine when swap_space > 0
         self.block_size = block_size
@@ -137,6 +140,8 @@ class ModelRunner:
         if not rows:
             return ModelRunnerOutput([], [], prompt_logprobs=prompt_logprobs)
         logits = self.model.compute_logits(hidden[torch.tensor(sample_idx, device=hidden.device)])
+        if not self.driver:
+            return ModelRunnerOutput([], [])
         batch = SamplingBatch.build(rows, self.vocab_size, logits.device)
         if spec:
             return verify_output(req_ids, drafts, logits, batch, prompt_logprobs)

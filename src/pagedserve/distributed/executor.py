@@ -1,0 +1,201 @@
+"""Rank 0's side of tensor parallelism: starts ranks 1..N-1, mirrors every runner call to them, and turns
+any rank's death into EngineDeadError instead of a hang.
+
+The engine core keeps one scheduler and one set of block tables; it calls update_states / execute_model on
+a DistributedRunner exactly as on a ModelRunner. Each call goes to every worker first (a pipe per worker:
+the step's inputs are the pickled scheduler plan, a few KB), then runs on rank 0's own runner, whose
+collectives (gloo / NCCL) meet the workers' inside the model; then every worker answers ok or its error.
+
+    call ok on rank 0, every worker ok       -> rank 0's result (it sampled)
+    same error on every rank                 -> that error (a request's own failure: the core isolates it)
+    anything else: a worker exited, a pipe closed, an answer later than the collective timeout, ranks that
+    disagree                                 -> EngineDeadError; the workers are stopped, and every later call
+                                                raises it at once
+"""
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import socket
+import time
+import weakref
+from multiprocessing.connection import Connection
+
+import torch
+
+from pagedserve.config import EngineConfig
+from pagedserve.distributed.parallel_state import TensorParallelGroup, destroy_tensor_parallel, init_tensor_parallel
+from pagedserve.distributed.worker import describe, run_worker
+from pagedserve.engine.output_stream import EngineDeadError
+
+logger = logging.getLogger(__name__)
+
+# Loading a slice of the model can take minutes for a big checkpoint; a worker that is alive gets this long.
+LOAD_TIMEOUT_S = 1800.0
+# After the slowest collective, a worker still returns from the model and writes its answer.
+ANSWER_GRACE_S = 10.0
+
+
+def answer_wait_s(timeout_s: float) -> float:
+    # A worker blocked in a collective gives up after timeout_s, then answers.
+    return timeout_s + min(ANSWER_GRACE_S, timeout_s)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _stop_workers(procs: list, conns: list[Connection]) -> None:
+    for conn in conns:
+        try:
+            conn.send(("shutdown", ()))
+        except (OSError, ValueError):
+            pass
+    deadline = time.monotonic() + 5.0
+    for proc in procs:
+        proc.join(max(0.0, deadline - time.monotonic()))
+        if proc.is_alive():
+            proc.kill()
+            proc.join(1.0)
+    for conn in conns:
+        conn.close()
+    destroy_tensor_parallel()
+
+
+class MultiprocExecutor:
+    def __init__(self, config: EngineConfig, device: torch.device) -> None:
+        par = config.parallel
+        if torch.distributed.is_initialized():
+            raise ValueError("a tensor-parallel engine is already running in this process; shut it down first "
+                             "(one process group per process)")
+        self.world_size = par.tensor_parallel_size
+        self.timeout_s = par.distributed_timeout_s
+        self.dead: str | None = None
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        ctx = mp.get_context("spawn")  # a fresh interpreter: no forked torch thread pools or CUDA state
+        self.procs: list = []
+        self.conns: list[Connection] = []
+        for rank in range(1, self.world_size):
+            parent_end, child_end = ctx.Pipe()
+            proc = ctx.Process(target=run_worker, args=(rank, config, init_method, child_end),
+                               name=f"pagedserve-tp-rank{rank}", daemon=True)
+            proc.start()
+            child_end.close()
+            self.procs.append(proc)
+            self.conns.append(parent_end)
+        # Workers are stopped when the engine is shut down, garbage-collected, or the interpreter exits.
+        self._finalizer = weakref.finalize(self, _stop_workers, self.procs, self.conns)
+        try:
+            self.tp: TensorParallelGroup = init_tensor_parallel(0, self.world_size, init_method, device,
+                                                                self.timeout_s)
+        except Exception:
+            self.shutdown()
+            raise
+
+    @property
+    def worker_pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def shutdown(self) -> None:
+        self._finalizer()
+
+    def wait_loaded(self) -> None:
+        # Each worker answers once its slice of the model is loaded (or with the error that stopped it).
+        errors = self._answers(LOAD_TIMEOUT_S)
+        if any(errors):
+            self.shutdown()
+            raise ValueError(f"a tensor-parallel rank failed to load the model: {next(e for e in errors if e)}")
+
+    def init_cache(self, resolved: EngineConfig, num_blocks: int, num_host_blocks: int) -> None:
+        self._send("init_cache", (resolved, num_blocks, num_host_blocks))
+        errors = self._answers(LOAD_TIMEOUT_S)
+        if any(errors):
+            raise self._die(f"a rank failed to allocate its KV cache: {next(e for e in errors if e)}")
+
+    def call(self, method: str, args: tuple, local):
+        """Run `method(*args)` on every worker and local() on rank 0, and check that the ranks agree."""
+        self._send(method, args)
+        try:
+            result = local()
+        except Exception as exc:  # noqa: BLE001 (classified below against the workers' answers)
+            errors = self._answers(answer_wait_s(self.timeout_s), cause=exc)
+            if all(e == describe(exc) for e in errors):
+                raise  # the same failure everywhere: the request's, not the group's
+            raise self._die(f"rank 0 failed with {describe(exc)} while the other ranks answered {errors}") from exc
+        errors = self._answers(answer_wait_s(self.timeout_s))
+        if any(errors):
+            raise self._die(f"rank {1 + next(i for i, e in enumerate(errors) if e)} failed in {method}: "
+                            f"{next(e for e in errors if e)}")
+        return result
+
+    def _send(self, method: str, args: tuple) -> None:
+        if self.dead is not None:
+            raise EngineDeadError(self.dead)
+        for rank, conn in enumerate(self.conns, start=1):
+            try:
+                conn.send((method, args))
+            except (OSError, ValueError) as exc:
+                raise self._die(f"tensor-parallel rank {rank} is gone ({describe(exc)})") from exc
+
+    def _answers(self, wait_s: float, cause: BaseException | None = None) -> list[str | None]:
+        # One answer per worker: None for ok, else its error message.
+        deadline = time.monotonic() + wait_s
+        out: list[str | None] = []
+        for rank, (proc, conn) in enumerate(zip(self.procs, self.conns), start=1):
+            while not conn.poll(0.05):
+                if not proc.is_alive():
+                    raise self._die(f"tensor-parallel rank {rank} (pid {proc.pid}) exited with code "
+                                    f"{proc.exitcode}") from cause
+                if time.monotonic() > deadline:
+                    raise self._die(f"tensor-parallel rank {rank} did not answer within {wait_s:g}s") from cause
+            try:
+                status, message = conn.recv()
+            except (EOFError, OSError) as exc:
+                raise self._die(f"tensor-parallel rank {rank} closed its pipe ({describe(exc)})") from exc
+            out.append(None if status == "ok" else message)
+        return out
+
+    def _die(self, reason: str) -> EngineDeadError:
+        # The group is broken (a collective may be half done); stop everything rather than guess.
+        if self.dead is None:
+            self.dead = reason
+            logger.error("tensor-parallel engine is dead: %s", reason)
+            for proc in self.procs:  # no goodbye: a worker may be stuck in a collective or stopped
+                if proc.is_alive():
+                    proc.kill()
+            self.shutdown()
+        return EngineDeadError(self.dead)
+
+
+class DistributedRunner:
+    """Rank 0's ModelRunner with every state change and forward pass mirrored on the workers.
+
+    The engine core calls update_states(plan) then execute_model(ids) once per plan; the plan travels to the
+    workers with the execute_model call, so a step costs one message and one answer per worker. Calls of
+    execute_model without a new plan (the core isolating a failing request) send only the ids."""
+
+    def __init__(self, local, executor: MultiprocExecutor) -> None:
+        self.local = local
+        self.executor = executor
+        self._plan = None  # applied on rank 0, not yet sent
+
+    def update_states(self, plan) -> None:
+        try:
+            self.local.update_states(plan)
+        except Exception as exc:
+            # Rank 0's batch has part of the plan and the workers none of it: the ranks cannot agree again.
+            raise self.executor._die(f"rank 0 failed to apply a plan: {describe(exc)}") from exc
+        self._plan = plan
+
+    def execute_model(self, num_scheduled_tokens: dict[str, int]):
+        plan, self._plan = self._plan, None
+        run_local = lambda: self.local.execute_model(num_scheduled_tokens)  # noqa: E731
+        if plan is None:
+            return self.executor.call("execute_model", (num_scheduled_tokens,), run_local)
+        return self.executor.call("step", (plan, num_scheduled_tokens), run_local)
+
+    def __getattr__(self, name: str):
+        # Everything else (input_batch, kv_caches, host_caches, ...) is rank 0's, for tests and benchmarks.
+        return getattr(self.local, name)
