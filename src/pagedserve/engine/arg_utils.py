@@ -10,7 +10,7 @@ from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
 from pagedserve.config import (ATTENTION_BACKENDS, CHUNKED_PREFILL_BATCHED_TOKENS, DTYPES, CacheConfig,
-                               DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig)
+                               DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig, StructuredOutputsConfig)
 
 
 def _default(cls: type, name: str) -> Any:
@@ -41,6 +41,7 @@ class EngineArgs:
     enable_chunked_prefill: bool = _default(SchedulerConfig, "enable_chunked_prefill")
     device: str = _default(DeviceConfig, "device")
     num_threads: int | None = _default(DeviceConfig, "num_threads")
+    structured_outputs_compile_timeout: float = _default(StructuredOutputsConfig, "compile_timeout_s")
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -79,6 +80,9 @@ class EngineArgs:
                        default=d.enable_chunked_prefill)
         g.add_argument("--device", default=d.device, help="auto, cpu, cuda or cuda:N")
         g.add_argument("--num-threads", type=int, default=d.num_threads, help="torch CPU threads")
+        g.add_argument("--structured-outputs-compile-timeout", type=float,
+                       default=d.structured_outputs_compile_timeout, metavar="S",
+                       help="seconds a grammar (JSON schema, regex, ...) may compile before the request is refused")
         return parser
 
     @classmethod
@@ -98,4 +102,5 @@ class EngineArgs:
                               self.num_gpu_blocks_override, self.enable_prefix_caching, self.swap_space,
                               self.preemption_mode),
             scheduler=scheduler,
-            device=DeviceConfig(self.device, self.num_threads))
+            device=DeviceConfig(self.device, self.num_threads),
+            structured_outputs=StructuredOutputsConfig(self.structured_outputs_compile_timeout))

@@ -13,6 +13,7 @@ import torch
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagedserve.sample.sampler import Sampler, SamplingBatch, SamplingRow, make_generator
+from pagedserve.structured_output.manager import StructuredOutputManager
 from pagedserve.worker.input_batch import InputBatch
 from pagedserve.worker.kv_cache import apply_block_ops
 from pagedserve.worker.prompt_logprobs import compute_prompt_logprobs, prompt_span
@@ -45,6 +46,8 @@ class ModelRunner:
         # restart with the same seed and the same requests samples the same tokens. A seeded request keeps
         # its own generator for its lifetime, so its draws do not depend on its batch mates.
         self.generator = make_generator(seed, device)
+        # Set by the engine core: masks the logits of rows under a grammar (structured outputs).
+        self.structured_output: StructuredOutputManager | None = None
 
     def _make_generator(self, seed: int) -> torch.Generator:
         return make_generator(seed, self.device)
@@ -127,6 +130,8 @@ class ModelRunner:
         if not rows:
             return ModelRunnerOutput([], [], prompt_logprobs=prompt_logprobs)
         logits = self.model.compute_logits(hidden[torch.tensor(sample_idx, device=hidden.device)])
+        if self.structured_output is not None:
+            self.structured_output.apply_bitmask(logits, req_ids)
         out = self.sampler(logits, SamplingBatch.build(rows, self.vocab_size, logits.device))
         return ModelRunnerOutput(req_ids, out.sampled_token_ids, out.logprobs, out.top_logprobs, out.ranks,
                                  prompt_logprobs)
