@@ -43,6 +43,7 @@ class StructuredOutputManager:
         bitmask = self._bitmask_rows(len(req_ids))
         for i, matcher in rows:
             matcher.fill_next_token_bitmask(bitmask, i)
+        # xgrammar's CPU kernel (or its CUDA / Triton one on GPU) masks only the listed rows.
         xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
                                         vocab_size=self.vocab_size, indices=[i for i, _ in rows])
 
@@ -80,3 +81,4 @@ class StructuredOutputManager:
         matcher = self.matchers.get(req_id)
         if matcher is not None and num_tokens > 0:
             matcher.rollback(num_tokens)
+
