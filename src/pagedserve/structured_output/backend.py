@@ -36,11 +36,11 @@ class GrammarSpec:
 
 
 def grammar_spec(params: StructuredOutputsParams) -> GrammarSpec:
-    """Validates params (ValueError) and returns the cache key of their grammar."""
+    """The cache key of params' grammar; a schema that is not JSON raises ValueError here."""
     if params.json is not None:
+        # Key order is kept: the properties' order is the order the model writes them in. The schema is
+        # checked on the grammar thread, under the compile timeout: checking a huge schema takes seconds.
         schema = load_schema(params.json)
-        check_schema(schema)
-        # Key order is kept: the properties' order is the order the model writes them in.
         return GrammarSpec("json", json.dumps(schema, separators=(",", ":"), ensure_ascii=False))
     if params.json_object:
         return GrammarSpec("json_object", "")
@@ -71,7 +71,7 @@ class GrammarCompileService:
         return self.config.compile_timeout_s
 
     def compile(self, params: StructuredOutputsParams) -> concurrent.futures.Future:
-        """Starts (or joins) the compile of params' grammar; validation errors raise ValueError here."""
+        """Starts (or joins) the compile of params' grammar; its errors (ValueError) come from the future."""
         spec = grammar_spec(params)
         with self._lock:
             fut = self._cache.get(spec)
@@ -119,10 +119,12 @@ class GrammarCompileService:
         compiler = self._get_compiler()
         try:
             if spec.kind == "json":
+                check_schema(json.loads(spec.text))
                 # Compact separators, no free whitespace: a small model left free whitespace can pad forever.
                 return compiler.compile_json_schema(spec.text, any_whitespace=False, strict_mode=True)
             if spec.kind == "json_object":
-                return compiler.compile_builtin_json_grammar()
+                # Any object (OpenAI's json_object), not any JSON value; properties are free.
+                return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
             if spec.kind == "regex":
                 return compiler.compile_regex(spec.text)
             return compiler.compile_grammar(spec.text)
