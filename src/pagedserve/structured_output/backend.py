@@ -63,8 +63,10 @@ class GrammarCompileService:
         self._compiler: Any = None  # built on first use: the tokenizer info takes about a second
         self._lock = threading.Lock()
         self._cache: collections.OrderedDict[GrammarSpec, concurrent.futures.Future] = collections.OrderedDict()
-        self._executor = concurrent.futures.ThreadPoolExecutor(
-            NUM_COMPILE_THREADS, thread_name_prefix="pagedserve-grammar", initializer=_low_priority)
+        # Daemon threads, not a ThreadPoolExecutor: the interpreter joins executor threads at exit, so a
+        # runaway compile would hold up the server's shutdown. At most NUM_COMPILE_THREADS compile at once.
+        self._slots = threading.BoundedSemaphore(NUM_COMPILE_THREADS)
+        self._closed = False
 
     @property
     def timeout_s(self) -> float:
@@ -78,7 +80,8 @@ class GrammarCompileService:
             if fut is not None:
                 self._cache.move_to_end(spec)
                 return fut
-            fut = self._executor.submit(self._compile, spec)
+            fut = concurrent.futures.Future()
+            threading.Thread(target=self._run, args=(spec, fut), name="pagedserve-grammar", daemon=True).start()
             if self.config.cache_size:
                 self._cache[spec] = fut
                 while len(self._cache) > self.config.cache_size:
@@ -115,6 +118,17 @@ class GrammarCompileService:
                 self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
             return self._compiler
 
+    def _run(self, spec: GrammarSpec, fut: concurrent.futures.Future) -> None:
+        _low_priority()
+        with self._slots:
+            if self._closed or not fut.set_running_or_notify_cancel():
+                fut.cancel()
+                return
+            try:
+                fut.set_result(self._compile(spec))
+            except BaseException as exc:  # noqa: BLE001 (delivered to every waiter)
+                fut.set_exception(exc)
+
     def _compile(self, spec: GrammarSpec) -> Any:
         compiler = self._get_compiler()
         try:
@@ -133,7 +147,7 @@ class GrammarCompileService:
             raise ValueError(f"the {what} cannot be compiled: {_CPP_PREFIX.sub('', str(e)).strip()}") from None
 
     def shutdown(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        self._closed = True  # compiles not started yet are cancelled; a running one is left to its thread
 
 
 def _low_priority() -> None:
