@@ -169,6 +169,25 @@ def test_hermes_parser():
     assert parse_hermes('<tool_call>{"name": "other", "arguments": {}}</tool_call>', names).tool_calls == []
 
 
+def test_auto_streaming_holds_back_the_tool_call_tag():
+    from pagedserve.server.protocol import ChatCompletionRequest
+    from pagedserve.server.tool_stream import ToolStreamer, final_message
+
+    req = ChatCompletionRequest(messages=ASK, tools=TOOLS)
+    pieces = ["Let me", " check.", " <tool", "_call>\n{\"name\": \"get_weather\", ",
+              '"arguments": {"city": "Rome"}}\n</tool_call>']
+    streamer, content, calls, finish = ToolStreamer(req), "", [], None
+    for i, piece in enumerate(pieces):
+        delta, finish = streamer.delta(piece, "stop" if i == len(pieces) - 1 else None)
+        content += delta.content or ""
+        calls += delta.tool_calls or []
+    whole, whole_finish = final_message(req, "".join(pieces), "stop")
+    assert finish == whole_finish == "tool_calls"
+    assert content.strip() == whole.content == "Let me check."
+    assert [(c.function.name, c.function.arguments) for c in calls] == \
+        [(c.function.name, c.function.arguments) for c in whole.tool_calls] == [("get_weather", '{"city": "Rome"}')]
+
+
 def test_pathological_schema_is_refused_within_the_timeout_while_others_flow(tool_server, oai, model):
     fmt = {"type": "json_schema", "json_schema": {"name": "deep", "schema": pathological_schema(7)}}
 
