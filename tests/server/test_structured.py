@@ -13,7 +13,8 @@ import pytest
 from tests.server.helpers import ServerProcess
 from tests.structured_output.test_offline import pathological_schema
 
-COMPILE_TIMEOUT_S = 3
+# Generous: on a loaded 2-core machine the (low-priority) compile threads can take seconds for a tools schema.
+COMPILE_TIMEOUT_S = 20
 VISITORS = {"type": "function", "function": {
     "name": "get_visitors", "description": "Visitors of one store on one day, per hour",
     "parameters": {"type": "object", "properties": {
@@ -47,6 +48,11 @@ def model(oai):
     return oai.models.list().data[0].id
 
 
+# Every token under a grammar writes at least one character, and the longest valid call is under 160 characters
+# (the longest: get_weather with 12 \\uXXXX-escaped characters), so no answer can be cut off by max_tokens.
+MAX_TOKENS = 160
+
+
 def _check_calls(choices) -> int:
     num = 0
     for choice in choices:
@@ -61,7 +67,7 @@ def _check_calls(choices) -> int:
 
 def test_required_and_named_arguments_validate_100_of_100(oai, model):
     named = {"type": "function", "function": {"name": "get_visitors"}}
-    kwargs = dict(model=model, messages=ASK, tools=TOOLS, temperature=1.0, max_tokens=80, n=50)
+    kwargs = dict(model=model, messages=ASK, tools=TOOLS, temperature=1.0, max_tokens=MAX_TOKENS, n=50)
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         required = pool.submit(oai.chat.completions.create, tool_choice="required", parallel_tool_calls=False,
                                seed=1, **kwargs)
@@ -93,7 +99,7 @@ def _assemble(stream) -> dict[int, list[tuple[str, str]]]:
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
 def test_streamed_tool_calls_assemble_to_the_non_streamed_ones(oai, model, tool_choice):
     kwargs = dict(model=model, messages=ASK, tools=TOOLS, tool_choice=tool_choice, temperature=1.0, seed=7, n=3,
-                  max_tokens=80, parallel_tool_calls=False)
+                  max_tokens=MAX_TOKENS, parallel_tool_calls=False)
     whole = oai.chat.completions.create(**kwargs)
     _check_calls(whole.choices)
     expected = {c.index: [(t.function.name, t.function.arguments) for t in c.message.tool_calls]
@@ -189,7 +195,7 @@ def test_auto_streaming_holds_back_the_tool_call_tag():
 
 
 def test_pathological_schema_is_refused_within_the_timeout_while_others_flow(tool_server, oai, model):
-    fmt = {"type": "json_schema", "json_schema": {"name": "deep", "schema": pathological_schema(7)}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "deep", "schema": pathological_schema(8)}}
 
     def pathological() -> tuple[int, float]:
         t0 = time.monotonic()
