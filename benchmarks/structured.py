@@ -47,7 +47,8 @@ async def stream_one(client: httpx.AsyncClient, max_tokens: int, schema: dict | 
     first = None
     tokens = 0
     async with client.stream("POST", "/v1/completions", json=body) as resp:
-        resp.raise_for_status()
+        if resp.status_code != 200:
+            raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread()).decode()[:500]}")
         async for line in resp.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
@@ -77,7 +78,8 @@ def main() -> int:
     info = machine_info()
     port = free_port()
     cmd = [sys.executable, "-m", "pagedserve.cli", "serve", "--port", str(port), "--max-model-len", "2048",
-           "--kv-cache-memory", str(256 << 20), "--max-num-seqs", str(args.streams), "--uvicorn-log-level", "warning"]
+           "--kv-cache-memory", str(256 << 20), "--max-num-seqs", str(args.streams), "--uvicorn-log-level", "warning",
+           "--structured-outputs-compile-timeout", "120"]
     if args.num_threads:
         cmd += ["--num-threads", str(args.num_threads)]
     server = Server("pagedserve", cmd, port)
