@@ -179,6 +179,20 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class StructuredOutputsConfig:
+    # A grammar that compiles for longer than this is refused (a 400 on the server); compiles run off the
+    # engine thread, so until then the request only waits, and nobody else does.
+    compile_timeout_s: float = 10.0
+    cache_size: int = 256  # compiled grammars kept, keyed by their spec
+
+    def __post_init__(self) -> None:
+        if not self.compile_timeout_s > 0:
+            raise ValueError(f"structured outputs compile timeout must be positive, got {self.compile_timeout_s}")
+        if self.cache_size < 0:
+            raise ValueError(f"structured outputs cache size must be >= 0, got {self.cache_size}")
+
+
+@dataclass(frozen=True, slots=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -186,6 +200,7 @@ class EngineConfig:
     device: DeviceConfig = field(default_factory=DeviceConfig)
     speculative: SpeculativeConfig | None = None
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
 
 
 def resolve_limits(config: EngineConfig, model_max_len: int, num_blocks: int) -> EngineConfig:

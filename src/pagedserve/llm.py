@@ -42,12 +42,9 @@ class LLM:
             if len(params_list) != len(prompts):
                 raise ValueError(f"got {len(prompts)} prompts but {len(params_list)} sampling params")
         engine = self.llm_engine
-        ids = []
+        ids = [engine.next_request_id() for _ in prompts]
         try:
-            for prompt, params in zip(prompts, params_list):
-                rid = engine.next_request_id()
-                engine.add_request(rid, prompt, params)
-                ids.append(rid)
+            engine.add_requests(list(zip(ids, prompts, params_list)))
         except Exception:
             engine.abort_request(ids)
             raise

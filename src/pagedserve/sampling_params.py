@@ -28,6 +28,36 @@ class RequestOutputKind(enum.Enum):
     FINAL_ONLY = 2
 
 
+@dataclass(frozen=True, slots=True)
+class StructuredOutputsParams:
+    # vLLM's names. Exactly one constraint: a JSON schema (dict or its JSON text), a regex, one of a list of
+    # strings, an EBNF grammar (xgrammar's dialect), or any JSON object.
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        if self.json_object:
+            given.append("json_object")
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs needs exactly one of json, regex, choice, grammar, json_object; "
+                             f"got {given or 'none'}")
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise ValueError(f"structured_outputs.json must be a JSON schema (object or string), got {self.json!r}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string")
+        if self.choice is not None:
+            if (not isinstance(self.choice, (list, tuple)) or not self.choice
+                    or not all(isinstance(c, str) and c for c in self.choice)):
+                raise ValueError("structured_outputs.choice must be a non-empty list of non-empty strings")
+            object.__setattr__(self, "choice", list(self.choice))
+
+
 class SamplingType(enum.IntEnum):
     GREEDY = 0
     RANDOM = 1
@@ -59,6 +89,8 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # token id -> value added to its logit before sampling
     allowed_token_ids: list[int] | None = None  # sample only among these tokens
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # Constrained decoding (pagedserve/structured_output): each step samples only tokens the grammar allows.
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -134,6 +166,8 @@ class SamplingParams:
         if self.seed is not None and not MIN_SEED <= self.seed <= MAX_SEED - ((self.best_of or self.n) - 1):
             raise ValueError(f"seed must be in [{MIN_SEED}, {MAX_SEED}] for each of the request's samples "
                              f"(sample i uses seed + i), got {self.seed}")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be StructuredOutputsParams, got {self.structured_outputs!r}")
         if any(not s for s in self.stop):
             raise ValueError("stop cannot contain an empty string")
         if self.temperature < SAMPLING_EPS and self.n > 1:

@@ -12,7 +12,7 @@ VLLM_DEFAULTS = dict(
     temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, seed=None, stop=[], stop_token_ids=[],
     ignore_eos=False, max_tokens=16, min_tokens=0, logprobs=None, prompt_logprobs=None,
     skip_special_tokens=True, spaces_between_special_tokens=True, include_stop_str_in_output=False,
-    logit_bias=None, allowed_token_ids=None, output_kind=RequestOutputKind.CUMULATIVE,
+    logit_bias=None, allowed_token_ids=None, output_kind=RequestOutputKind.CUMULATIVE, structured_outputs=None,
 )
 
 

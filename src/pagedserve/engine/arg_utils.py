@@ -11,7 +11,7 @@ from typing import Any
 
 from pagedserve.config import (ATTENTION_BACKENDS, CHUNKED_PREFILL_BATCHED_TOKENS, DTYPES, CacheConfig,
                                DeviceConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig,
-                               SpeculativeConfig)
+                               SpeculativeConfig, StructuredOutputsConfig)
 
 
 def _default(cls: type, name: str) -> Any:
@@ -46,6 +46,7 @@ class EngineArgs:
     speculative_config: SpeculativeConfig | dict | str | None = None
     tensor_parallel_size: int = _default(ParallelConfig, "tensor_parallel_size")
     distributed_timeout: float = _default(ParallelConfig, "distributed_timeout_s")  # seconds
+    structured_outputs_compile_timeout: float = _default(StructuredOutputsConfig, "compile_timeout_s")
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -92,6 +93,9 @@ class EngineArgs:
         g.add_argument("--speculative-config", default=None, metavar="JSON",
                        help='speculative decoding, e.g. {"method": "ngram", "num_speculative_tokens": 3, '
                             '"prompt_lookup_max": 3}')
+        g.add_argument("--structured-outputs-compile-timeout", type=float,
+                       default=d.structured_outputs_compile_timeout, metavar="S",
+                       help="seconds a grammar (JSON schema, regex, ...) may compile before the request is refused")
         return parser
 
     @classmethod
@@ -113,4 +117,5 @@ class EngineArgs:
             scheduler=scheduler,
             device=DeviceConfig(self.device, self.num_threads),
             speculative=SpeculativeConfig.parse(self.speculative_config),
-            parallel=ParallelConfig(self.tensor_parallel_size, self.distributed_timeout))
+            parallel=ParallelConfig(self.tensor_parallel_size, self.distributed_timeout),
+            structured_outputs=StructuredOutputsConfig(self.structured_outputs_compile_timeout))

@@ -117,7 +117,8 @@ class AsyncLLMEngine:
         self.max_model_len: int = core.max_model_len
         self.num_kv_blocks: int = core.num_kv_blocks
         self.block_size: int = core.config.cache.block_size
-        self.processor = Processor(core.loaded, core.config.model, core.max_model_len)
+        self.processor = Processor(core.loaded, core.config.model, core.max_model_len,
+                                   core.config.structured_outputs)
         self.tokenizer = self.processor.tokenizer
         self.output_processor = OutputProcessor(self.tokenizer)
 
@@ -143,6 +144,8 @@ class AsyncLLMEngine:
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout)
         self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+        if getattr(self, "processor", None) is not None:
+            self.processor.grammars.shutdown()
 
     def add_finished_callback(self, fn: Callable[[Any], None]) -> None:
         # Called on the engine thread with each finished sequence's RequestStats.
@@ -187,6 +190,14 @@ class AsyncLLMEngine:
                     for rid, prompt, params in requests]
 
         processed = await self.run_processor(process)
+        if any(p.grammar_future is not None for p in processed):
+            # Grammars compile on their own threads; waiting here (not on the tokenizer thread) holds up
+            # nobody else's request.
+            grammars = self.processor.grammars
+            compiled = await asyncio.gather(*(grammars.wait_async(p.grammar_future) for p in processed
+                                              if p.grammar_future is not None))
+            it = iter(compiled)
+            processed = [p if p.grammar_future is None else p.with_grammar(next(it)) for p in processed]
         ids = [p.request_id for p in processed]
         if len(set(ids)) != len(ids) or any(rid in self._streams for rid in ids):
             raise ValueError(f"request ids {ids} are already in use")

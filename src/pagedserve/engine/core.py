@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -31,6 +32,7 @@ from pagedserve.metrics.stats import EngineStats, RequestStats
 from pagedserve.model.loader import load_model
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.spec_decode.proposer import make_proposer
+from pagedserve.structured_output.manager import StructuredOutputManager
 from pagedserve.worker.kv_cache import allocate_host_caches, allocate_kv_caches, kv_bytes_per_block
 from pagedserve.worker.memory import plan_num_blocks
 from pagedserve.worker.model_runner import ModelRunner
@@ -50,6 +52,7 @@ class EngineCoreRequest:
     arrival_time: float
     fork_of: str | None = None
     cache_salt: str | None = None  # requests with different salts never share prefix-cache blocks
+    grammar: Any = None  # an xgrammar CompiledGrammar, compiled by the front-end before the request is added
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,6 +132,8 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, self.kv, max_len, config.cache.preemption_mode)
         self.runner = ModelRunner(loaded.model, kv_caches, bs, hf.vocab_size, device,
                                   config.scheduler.max_num_seqs, max_len, config.model.seed)
+        # Grammar matchers live beside the scheduler; the runner masks logits with them before sampling.
+        self.structured_output = self.runner.structured_output = StructuredOutputManager(hf.vocab_size)
         if num_host_blocks:
             self.runner.host_caches = allocate_host_caches(hf.num_hidden_layers, num_host_blocks, bs,
                                                            num_kv_heads, head_dim, dtype, device)
@@ -168,6 +173,8 @@ class EngineCore:
             req = Request(r.req_id, r.prompt_token_ids, r.params, r.max_tokens, r.eos_token_ids, r.arrival_time,
                           cache_salt=r.cache_salt)
             self.scheduler.add_request(req, fork_of=by_id.get(r.fork_of) if r.fork_of else None)
+            if r.grammar is not None:
+                self.structured_output.add_request(r.req_id, r.grammar)
             by_id[r.req_id] = req
             group = r.fork_of or r.req_id
             self._group_of[r.req_id] = group
@@ -181,6 +188,7 @@ class EngineCore:
                 self._record_finished(req)
 
     def _record_finished(self, req: Request) -> None:
+        self.structured_output.remove(req.req_id)
         group = self._group_of.pop(req.req_id, None)
         samples = self._groups.get(group) if group is not None else None
         if samples is None or any(not s.status.is_finished for s in samples):
@@ -214,6 +222,8 @@ class EngineCore:
         requests = self.scheduler.requests
         num_before = {rid: requests[rid].num_output_tokens for rid in result.req_ids if rid in requests}
         updated = self.scheduler.update(plan, result)
+        if self.structured_output.matchers:
+            updated = self._accept_structured(updated, outputs)
         now = time.monotonic()
         row_of = {rid: j for j, rid in enumerate(result.req_ids)}
         num_emitted = 0
@@ -253,8 +263,30 @@ class EngineCore:
         if limit is not None and len(self.scheduler.running) > limit:
             return
         for req in updated:
-            if req.status is RequestStatus.RUNNING:
+            # A request under a grammar decodes one token a step: its matcher advances on emitted tokens only.
+            if req.status is RequestStatus.RUNNING and req.req_id not in self.structured_output:
                 req.spec_token_ids = self.proposer.propose(req.all_token_ids)
+
+    def _accept_structured(self, updated: list[Request], outputs: list[EngineCoreOutput]) -> list[Request]:
+        # Each new token advances its sequence's matcher. The mask allowed only tokens the grammar accepts, so
+        # a rejection is a bug that fails that request alone; a matcher that accepted its stop token is done.
+        kept = []
+        for req in updated:
+            if req.req_id not in self.structured_output:
+                kept.append(req)
+                continue
+            token = req.output_token_ids[-1]
+            terminated_before = self.structured_output.is_terminated(req.req_id)
+            if not terminated_before and not self.structured_output.accept_token(req.req_id, token):
+                message = f"the grammar rejected sampled token {token}"
+                self.finish_requests([req.req_id])
+                outputs.append(EngineCoreOutput(req.req_id, [], "error", error=message,
+                                                stats=RequestStats.from_request(req)))
+                continue
+            if self.structured_output.is_terminated(req.req_id) and not req.status.is_finished:
+                self.scheduler.finish_request(req.req_id, RequestStatus.FINISHED_STOPPED)
+            kept.append(req)
+        return kept
 
     def _prompt_logprob_outputs(self, chunks: dict[str, PromptLogprobsChunk],
                                 taken: set[str]) -> list[EngineCoreOutput]:

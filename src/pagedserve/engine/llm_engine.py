@@ -31,7 +31,7 @@ class LLMEngine:
         self.hf_config = self.core.hf_config
         self.max_model_len = self.core.max_model_len
         self.tokenizer = loaded.tokenizer
-        self.processor = Processor(loaded, config.model, self.max_model_len)
+        self.processor = Processor(loaded, config.model, self.max_model_len, config.structured_outputs)
         self.output_processor = OutputProcessor(loaded.tokenizer)
         self.token_texts = self.output_processor.token_texts
         # Requests that failed since the caller last looked (request id -> error); see take_failures().
@@ -67,9 +67,22 @@ class LLMEngine:
                     arrival_time: float | None = None) -> None:
         if request_id in self.output_processor.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        processed = self.processor.process(request_id, prompt, params, arrival_time)
-        self.core.add_requests(processed.core_requests)
-        self.output_processor.add_request(processed)
+        self.add_requests([(request_id, prompt, params)], arrival_time)
+
+    def add_requests(self, requests: list[tuple[str, PromptInput, SamplingParams]],
+                     arrival_time: float | None = None) -> None:
+        """Processes all first, so their grammars compile side by side, then adds them one by one; a request
+        that fails validation raises after the ones before it were added (the caller aborts those)."""
+        processed = []
+        for request_id, prompt, params in requests:
+            if request_id in self.output_processor.requests or any(p.request_id == request_id for p in processed):
+                raise ValueError(f"request id {request_id!r} is already in use")
+            processed.append(self.processor.process(request_id, prompt, params, arrival_time))
+        for p in processed:
+            if p.grammar_future is not None:
+                p = p.with_grammar(self.processor.grammars.wait(p.grammar_future))
+            self.core.add_requests(p.core_requests)
+            self.output_processor.add_request(p)
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)

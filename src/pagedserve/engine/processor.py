@@ -6,15 +6,21 @@ here, before anything reaches the engine core.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import os
 import time
 from dataclasses import dataclass
 from typing import Any
 
-from pagedserve.config import ModelConfig
+from pagedserve.config import ModelConfig, StructuredOutputsConfig
 from pagedserve.engine.core import EngineCoreRequest
 from pagedserve.sampling_params import SamplingParams
+from pagedserve.structured_output.backend import GrammarCompileService
+
+# The tool-calling chat template shipped for the embedded SmolLM2 (its own template has no tools).
+EMBEDDED_CHAT_TEMPLATE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "chat_templates",
+                                      "smollm2_tool_use.jinja")
 
 # A prompt is text, a list of token ids, or vLLM's dict forms {"prompt": ...} / {"prompt_token_ids": ...}.
 PromptInput = str | list[int] | dict[str, Any]
@@ -29,6 +35,13 @@ class ProcessedRequest:
     core_requests: list[EngineCoreRequest]  # one per sample; best_of > n makes best_of of them
     num_returned: int | None              # best_of > n: keep the best n once all finish
     keep_logprobs: bool                   # False when logprobs were turned on only to rank best_of samples
+    # Structured outputs: the grammar compiling off the engine thread. The caller waits for it (with the
+    # compile timeout) and attaches it with with_grammar before adding core_requests to the engine.
+    grammar_future: concurrent.futures.Future | None = None
+
+    def with_grammar(self, grammar: Any) -> ProcessedRequest:
+        reqs = [dataclasses.replace(r, grammar=grammar) for r in self.core_requests]
+        return dataclasses.replace(self, core_requests=reqs, grammar_future=None)
 
 
 def cache_salt_of(prompt: PromptInput) -> str | None:
@@ -40,12 +53,17 @@ def cache_salt_of(prompt: PromptInput) -> str | None:
 
 
 class Processor:
-    def __init__(self, loaded: Any, config: ModelConfig, max_model_len: int) -> None:
+    def __init__(self, loaded: Any, config: ModelConfig, max_model_len: int,
+                 structured_outputs: StructuredOutputsConfig | None = None) -> None:
         self.tokenizer = loaded.tokenizer
         self.vocab_size = loaded.hf_config.vocab_size
         self._eos = tuple(loaded.eos_token_ids)
         self.max_model_len = max_model_len
-        self.chat_template = _read_template(config.chat_template) or loaded.chat_template
+        default_template = loaded.chat_template
+        if config.model is None and config.tokenizer is None:
+            default_template = _read_template(EMBEDDED_CHAT_TEMPLATE)
+        self.chat_template = _read_template(config.chat_template) or default_template
+        self.grammars = GrammarCompileService(self.tokenizer, self.vocab_size, self._eos, structured_outputs)
         # Every token covers at most this many characters of text, so a text longer than
         # max_model_len * this can be refused without tokenizing it (a 30 MB prompt costs nothing).
         self.max_chars_per_token = max((len(t) for t in self.tokenizer.get_vocab()), default=1) or 1
@@ -115,6 +133,9 @@ class Processor:
         prompt_text, prompt_ids = self.tokenize(prompt)
         max_tokens = self.resolve_max_tokens(prompt_ids, params)
         self.check_token_ids(params)
+        grammar_future = None
+        if params.structured_outputs is not None:
+            grammar_future = self.grammars.compile(params.structured_outputs)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         num_samples = params.best_of or params.n
         num_returned, keep_logprobs = None, True
@@ -131,7 +152,8 @@ class Processor:
             seq_id = request_id if num_samples == 1 else f"{request_id}#{i}"
             reqs.append(EngineCoreRequest(seq_id, prompt_ids, p, max_tokens, eos, arrival,
                                           fork_of=None if i == 0 else reqs[0].req_id, cache_salt=cache_salt))
-        return ProcessedRequest(request_id, prompt_text, prompt_ids, params, reqs, num_returned, keep_logprobs)
+        return ProcessedRequest(request_id, prompt_text, prompt_ids, params, reqs, num_returned, keep_logprobs,
+                                grammar_future)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], chat_template: str | None = None,
                             add_generation_prompt: bool = True, **kwargs: Any) -> str:

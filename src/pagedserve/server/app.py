@@ -102,7 +102,8 @@ def _install_error_handlers(app: FastAPI) -> None:
 def build_app(engine: AsyncLLMEngine, args: Any) -> FastAPI:
     model_path = getattr(args, "model", None)
     names = list(getattr(args, "served_model_name", None) or []) or [model_path or engine.model_name]
-    ctx = ServerContext(engine, names, model_path)
+    parser = getattr(args, "tool_call_parser", None) if getattr(args, "enable_auto_tool_choice", False) else None
+    ctx = ServerContext(engine, names, model_path, parser)
     metrics = PrometheusMetrics(engine, ctx.model_name, getattr(args, "metrics_prefix", "pagedserve"))
     app = FastAPI(title="pagedserve", version=__version__)
     app.state.ctx = ctx

@@ -8,6 +8,8 @@ from typing import Callable
 
 logger = logging.getLogger("pagedserve.serve")
 
+TOOL_CALL_PARSERS = ("hermes",)  # server/tool_calls.py reads these formats
+
 # Server flag defaults (build_app falls back to them for args that lack the flags).
 MAX_SAMPLES_PER_REQUEST = 64
 MAX_REQUEST_BODY_SIZE = 16 << 20
@@ -66,9 +68,19 @@ def add_serve_parser(subparsers, add_engine_args: Callable[[argparse.ArgumentPar
                    help="model name(s) clients send; the first is used in responses (default: --model)")
     g.add_argument("--metrics-prefix", choices=["pagedserve", "vllm"], default="pagedserve",
                    help="'vllm' exports the metrics as vllm:* for existing vLLM dashboards")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='let the model decide to call tools (tool_choice "auto"); needs --tool-call-parser')
+    g.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
+                   help="how tool calls are read from the model's text under tool_choice auto")
     g.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     p.set_defaults(func=cmd_serve)
+
+
+def check_tool_args(args: argparse.Namespace) -> None:
+    if getattr(args, "enable_auto_tool_choice", False) and not getattr(args, "tool_call_parser", None):
+        raise SystemExit("--enable-auto-tool-choice needs --tool-call-parser (one of: "
+                         f"{', '.join(TOOL_CALL_PARSERS)})")
 
 
 def _raise_shutdown(signum: int, _frame) -> None:
@@ -80,6 +92,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # caught), SIGTERM behaves like Ctrl-C: unwind, stop the engine thread, exit 0.
     signal.signal(signal.SIGTERM, _raise_shutdown)
     signal.signal(signal.SIGINT, _raise_shutdown)
+    check_tool_args(args)
     engine = None
     exit_code = 0
     try:

@@ -6,7 +6,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
-from pagedserve.sampling_params import MAX_SEED, MIN_SEED, SamplingParams
+from pagedserve.sampling_params import MAX_SEED, MIN_SEED, SamplingParams, StructuredOutputsParams
 
 # vLLM's default --max-logprobs; OpenAI allows at most 5 (completions) and 20 (chat).
 MAX_LOGPROBS = 20
@@ -54,6 +54,34 @@ class StreamOptions(OpenAIRequestModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(OpenAIRequestModel):
+    name: str = Field("response", max_length=64)
+    description: str | None = None
+    # "schema" shadows a BaseModel attribute, so the field has another name and takes "schema" as its alias.
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIRequestModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _check_schema(self) -> Any:
+        if self.type == "json_schema" and (self.json_schema is None or self.json_schema.json_schema is None):
+            raise ValueError("response_format of type json_schema needs json_schema.schema")
+        return self
+
+
+class StructuredOutputsRequest(OpenAIRequestModel):
+    # vLLM's `structured_outputs` extra body field.
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class _SamplingRequest(OpenAIRequestModel):
     model: Text | None = None
     n: int = Field(1, ge=1)
@@ -83,6 +111,8 @@ class _SamplingRequest(OpenAIRequestModel):
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     # vLLM extra: requests share prefix-cache blocks only with requests that carry the same salt.
     cache_salt: str | None = Field(None, min_length=1)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
 
     @model_validator(mode="after")
     def _check_prompt_logprobs(self) -> Any:
@@ -105,6 +135,20 @@ class _SamplingRequest(OpenAIRequestModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        # ValueError (a 400) for a malformed spec; the schema itself is checked when its grammar compiles.
+        so, fmt = self.structured_outputs, self.response_format
+        if so is not None and fmt is not None and fmt.type != "text":
+            raise ValueError("give either response_format or structured_outputs, not both")
+        if so is not None:
+            return StructuredOutputsParams(json=so.json_, regex=so.regex, choice=so.choice, grammar=so.grammar,
+                                           json_object=so.json_object)
+        if fmt is None or fmt.type == "text":
+            return None
+        if fmt.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        return StructuredOutputsParams(json=fmt.json_schema.json_schema)
+
     def to_sampling_params(self, max_tokens: int | None, logprobs: int | None, best_of: int | None = None,
                            prompt_logprobs: int | None = None) -> SamplingParams:
         # Absent fields take SamplingParams' defaults (vLLM's), not OpenAI's null.
@@ -119,6 +163,7 @@ class _SamplingRequest(OpenAIRequestModel):
             include_stop_str_in_output=self.include_stop_str_in_output, best_of=best_of,
             prompt_logprobs=prompt_logprobs,
             logit_bias=self.logit_bias or None, allowed_token_ids=self.allowed_token_ids,
+            structured_outputs=self.structured_outputs_params(),
             **given(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
                     seed=self.seed, presence_penalty=self.presence_penalty,
                     frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty))
@@ -166,10 +211,23 @@ class TextContentPart(OpenAIRequestModel):
     text: Text
 
 
+class FunctionCall(OpenAIBaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(OpenAIBaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(OpenAIRequestModel):
     role: Text
     content: Annotated[str | list[TextContentPart] | None, AfterValidator(_check_text)] = None
     name: Text | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None            # a tool turn: which call this result answers
 
     def to_template_dict(self) -> dict[str, Any]:
         content = self.content
@@ -178,7 +236,34 @@ class ChatMessage(OpenAIRequestModel):
         msg: dict[str, Any] = {"role": self.role, "content": content or ""}
         if self.name is not None:
             msg["name"] = self.name
+        if self.tool_calls:
+            msg["tool_calls"] = [{"id": c.id, "type": c.type, "function": {"name": c.function.name,
+                                                                           "arguments": c.function.arguments}}
+                                 for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            msg["tool_call_id"] = self.tool_call_id
         return msg
+
+
+class FunctionDefinition(OpenAIRequestModel):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(OpenAIRequestModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(OpenAIRequestModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIRequestModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -188,12 +273,31 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     @model_validator(mode="after")
     def _check_chat(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise ValueError("tool_choice needs tools")
+        if isinstance(self.tool_choice, NamedToolChoice):
+            names = [t.function.name for t in self.tools or ()]
+            if self.tool_choice.function.name not in names:
+                raise ValueError(f"tool_choice names function {self.tool_choice.function.name!r}, which is not "
+                                 f"in tools ({', '.join(names)})")
         return self
+
+    @property
+    def tool_mode(self) -> str:
+        # "none", "auto", "required" or "named"; tools without tool_choice mean "auto", as in OpenAI.
+        if not self.tools or self.tool_choice == "none":
+            return "none"
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice or "auto"
 
 
 # ---- responses ---------------------------------------------------------------------------------------------
@@ -260,6 +364,7 @@ class ChatChoiceLogprobs(OpenAIBaseModel):
 class ChatResponseMessage(OpenAIBaseModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(OpenAIBaseModel):
@@ -280,9 +385,23 @@ class ChatCompletionResponse(OpenAIBaseModel):
     prompt_logprobs: PromptLogprobsField | None = None  # vLLM puts them at the top level for chat
 
 
+class DeltaFunctionCall(OpenAIBaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(OpenAIBaseModel):
+    # The first delta of a call carries its id, type and name; later ones append to its arguments.
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(OpenAIBaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(OpenAIBaseModel):

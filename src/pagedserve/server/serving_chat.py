@@ -15,16 +15,20 @@ from pagedserve.server.errors import OpenAIError
 from pagedserve.server.prompt_logprobs import prompt_logprobs_field
 from pagedserve.server.protocol import (ChatChoice, ChatChoiceLogprobs, ChatCompletionRequest,
                                         ChatCompletionResponse, ChatCompletionStreamResponse,
-                                        ChatLogprobEntry, ChatResponseMessage, ChatStreamChoice,
+                                        ChatLogprobEntry, ChatStreamChoice,
                                         ChatTopLogprob, DeltaMessage, UsageInfo)
 from pagedserve.server.streaming import SSE_DONE, SSEResponse, json_response, sse, unless_disconnected
+from pagedserve.server.tool_calls import tool_grammar
+from pagedserve.server.tool_stream import ToolStreamer, final_message
 
 
-def chat_prompt(messages: list[dict[str, Any]], add_generation_prompt: bool, cache_salt: str | None = None):
+def chat_prompt(messages: list[dict[str, Any]], add_generation_prompt: bool, cache_salt: str | None = None,
+                tools: list[dict[str, Any]] | None = None):
     # Rendered by the Processor on the tokenizer thread (see AsyncLLMEngine.add_requests). Same steps as
     # LLM.chat, so a greedy chat request here answers exactly as offline.
     def render(processor: Any) -> dict[str, Any]:
-        prompt = processor.chat_prompt(messages, None, add_generation_prompt)
+        kwargs = {"tools": tools} if tools else {}
+        prompt = processor.chat_prompt(messages, None, add_generation_prompt, **kwargs)
         return prompt if cache_salt is None else {**prompt, "cache_salt": cache_salt}
 
     return render
@@ -57,13 +61,18 @@ class OpenAIServingChat:
         self.ctx.check_model(req.model)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         num_top = req.top_logprobs or 0
+        if req.tool_mode == "auto" and self.ctx.tool_call_parser is None:
+            raise OpenAIError('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '
+                              "to be set", 400, param="tool_choice")
         params = req.to_sampling_params(max_tokens, num_top if req.logprobs else None,
                                         prompt_logprobs=req.prompt_logprobs)
+        params.structured_outputs = tool_grammar(req) or params.structured_outputs
         params.output_kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
         messages = [m.to_template_dict() for m in req.messages]
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         request_id = random_id("chatcmpl")
         stream = await self.ctx.engine.add_request(
-            request_id, chat_prompt(messages, req.add_generation_prompt, req.cache_salt), params)
+            request_id, chat_prompt(messages, req.add_generation_prompt, req.cache_salt, tools), params)
         created = int(time.time())
         if req.stream:
             return SSEResponse(self._stream(req, stream, request_id, created), on_close=stream.close)
@@ -76,9 +85,9 @@ class OpenAIServingChat:
             logprobs = None
             if req.logprobs and c.logprobs is not None:
                 logprobs = chat_logprobs(c.token_ids, c.logprobs[:len(c.token_ids)], num_top)
-            choices.append(ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
-                                      logprobs=logprobs, finish_reason=c.finish_reason,
-                                      stop_reason=c.stop_reason))
+            message, finish_reason = final_message(req, c.text, c.finish_reason)
+            choices.append(ChatChoice(index=c.index, message=message, logprobs=logprobs,
+                                      finish_reason=finish_reason, stop_reason=c.stop_reason))
         prompt_field = (None if req.prompt_logprobs is None else
                         prompt_logprobs_field(final.prompt_token_ids, final.prompt_logprobs, req.prompt_logprobs))
         body = ChatCompletionResponse(id=request_id, created=created, model=self.ctx.model_name,
@@ -99,6 +108,7 @@ class OpenAIServingChat:
             for i in range(req.n):
                 yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content="")))
             num_prompt_tokens = num_completion_tokens = 0
+            tools = {i: ToolStreamer(req) for i in range(req.n)} if req.tool_mode != "none" else {}
             async for out in stream:  # DELTA outputs: only what is new since the previous one
                 num_prompt_tokens = len(out.prompt_token_ids)
                 for c in out.outputs:
@@ -106,11 +116,14 @@ class OpenAIServingChat:
                     logprobs = None
                     if req.logprobs and c.logprobs is not None:
                         logprobs = chat_logprobs(c.token_ids, c.logprobs, num_top)
-                    if not c.text and c.finish_reason is None and not (logprobs and logprobs.content):
+                    delta, finish_reason = DeltaMessage(content=c.text), c.finish_reason
+                    if c.index in tools:
+                        delta, finish_reason = tools[c.index].delta(c.text, c.finish_reason)
+                    if (not delta.content and not delta.tool_calls and finish_reason is None
+                            and not (logprobs and logprobs.content)):
                         continue
-                    yield chunk(ChatStreamChoice(index=c.index, delta=DeltaMessage(content=c.text),
-                                                 logprobs=logprobs, finish_reason=c.finish_reason,
-                                                 stop_reason=c.stop_reason))
+                    yield chunk(ChatStreamChoice(index=c.index, delta=delta, logprobs=logprobs,
+                                                 finish_reason=finish_reason, stop_reason=c.stop_reason))
             if req.include_usage:
                 yield sse(ChatCompletionStreamResponse(id=request_id, created=created, model=model, choices=[],
                                                        usage=UsageInfo(prompt_tokens=num_prompt_tokens,

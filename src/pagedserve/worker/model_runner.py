@@ -14,6 +14,7 @@ from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput, SpecDecodeOutput
 from pagedserve.sample.sampler import Sampler, SamplingBatch, SamplingRow, make_generator
 from pagedserve.spec_decode.rejection_sampler import rejection_sample
+from pagedserve.structured_output.manager import StructuredOutputManager
 from pagedserve.worker.input_batch import InputBatch
 from pagedserve.worker.kv_cache import apply_block_ops
 from pagedserve.worker.prompt_logprobs import compute_prompt_logprobs, prompt_span
@@ -49,6 +50,8 @@ class ModelRunner:
         # restart with the same seed and the same requests samples the same tokens. A seeded request keeps
         # its own generator for its lifetime, so its draws do not depend on its batch mates.
         self.generator = make_generator(seed, device)
+        # Set by the engine core: masks the logits of rows under a grammar (structured outputs).
+        self.structured_output: StructuredOutputManager | None = None
 
     def _make_generator(self, seed: int) -> torch.Generator:
         return make_generator(seed, self.device)
@@ -142,6 +145,12 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[torch.tensor(sample_idx, device=hidden.device)])
         if not self.driver:
             return ModelRunnerOutput([], [])
+        if self.structured_output is not None:
+            # One logits row per sampled position; requests under a grammar get no drafts (the engine core
+            # skips them), so their only row is their last one and draft rows are never masked.
+            row_req_ids = [rid if j == len(d) else ""
+                           for rid, d in zip(req_ids, drafts) for j in range(len(d) + 1)]
+            self.structured_output.apply_bitmask(logits, row_req_ids)
         batch = SamplingBatch.build(rows, self.vocab_size, logits.device)
         if spec:
             return verify_output(req_ids, drafts, logits, batch, prompt_logprobs)

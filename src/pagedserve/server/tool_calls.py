@@ -1,0 +1,94 @@
+"""Tool calling on /v1/chat/completions: the grammar for tool_choice, and parsing what the model wrote.
+
+    tool_choice   decoding                                          the text becomes
+    "none"        free                                              content
+    "auto"        free (needs --enable-auto-tool-choice)            hermes <tool_call>{...}</tool_call> -> calls
+    "required"    JSON schema: [{"name": one of tools, "arguments": its parameters}, ...]   -> calls
+    named         JSON schema: the function's parameters            -> one call (the text is its arguments)
+"""
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+
+from pagedserve.sampling_params import StructuredOutputsParams
+from pagedserve.server.protocol import ChatCompletionRequest, FunctionCall, ToolCall
+
+HERMES_START, HERMES_END = "<tool_call>", "</tool_call>"
+_HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+_EMPTY_PARAMETERS = {"type": "object", "properties": {}}
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def tool_grammar(req: ChatCompletionRequest) -> StructuredOutputsParams | None:
+    """The constraint that makes required / named tool choices produce valid calls; None for none / auto."""
+    mode = req.tool_mode
+    if mode in ("none", "auto"):
+        return None
+    if req.response_format is not None and req.response_format.type != "text" or req.structured_outputs:
+        raise ValueError(f"tool_choice {mode!r} cannot be combined with response_format or structured_outputs")
+    tools = {t.function.name: t.function.parameters or _EMPTY_PARAMETERS for t in req.tools or ()}
+    if mode == "named":
+        return StructuredOutputsParams(json=tools[req.tool_choice.function.name])
+    calls = [{"type": "object", "properties": {"name": {"const": name}, "arguments": params},
+              "required": ["name", "arguments"]} for name, params in tools.items()]
+    item = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    schema = {"type": "array", "items": item, "minItems": 1}
+    if req.parallel_tool_calls is False:
+        schema["maxItems"] = 1
+    return StructuredOutputsParams(json=schema)
+
+
+@dataclass(slots=True)
+class ParsedMessage:
+    content: str | None
+    tool_calls: list[ToolCall]
+
+
+def _call(name: str, arguments: object) -> ToolCall:
+    text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+    return ToolCall(id=new_call_id(), function=FunctionCall(name=name, arguments=text))
+
+
+def parse_tool_calls(mode: str, text: str, tool_names: set[str]) -> ParsedMessage:
+    """The message for a finished choice's text. Text that does not parse stays content."""
+    if mode == "required":
+        try:
+            calls = json.loads(text)
+            return ParsedMessage(None, [_call(c["name"], c["arguments"]) for c in calls])
+        except (ValueError, TypeError, KeyError):
+            return ParsedMessage(text, [])
+    if mode == "auto":
+        return parse_hermes(text, tool_names)
+    return ParsedMessage(text, [])
+
+
+def parse_hermes(text: str, tool_names: set[str]) -> ParsedMessage:
+    start = text.find(HERMES_START)
+    if start < 0:
+        return ParsedMessage(text, [])
+    calls = []
+    for body in _HERMES_CALL.findall(text[start:]):
+        try:
+            call = json.loads(body)
+        except ValueError:
+            return ParsedMessage(text, [])
+        if not isinstance(call, dict) or call.get("name") not in tool_names:
+            return ParsedMessage(text, [])
+        calls.append(_call(call["name"], call.get("arguments", call.get("parameters", {}))))
+    if not calls:
+        return ParsedMessage(text, [])
+    return ParsedMessage(text[:start].strip() or None, calls)
+
+
+def held_back(text: str) -> int:
+    """How many trailing characters of streamed text may be the start of <tool_call> (not sent yet)."""
+    for k in range(min(len(HERMES_START) - 1, len(text)), 0, -1):
+        if HERMES_START.startswith(text[-k:]):
+            return k
+    return 0

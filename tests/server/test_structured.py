@@ -1,0 +1,215 @@
+"""Structured outputs and tool calling over HTTP with the official openai client."""
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import time
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from tests.server.helpers import ServerProcess
+from tests.structured_output.test_offline import pathological_schema
+
+# Generous: on a loaded 2-core machine the (low-priority) compile threads can take seconds for a tools schema.
+COMPILE_TIMEOUT_S = 20
+VISITORS = {"type": "function", "function": {
+    "name": "get_visitors", "description": "Visitors of one store on one day, per hour",
+    "parameters": {"type": "object", "properties": {
+        "store": {"type": "integer", "minimum": 1, "maximum": 999},
+        "date": {"type": "string", "pattern": "^2026-[01][0-9]-[0-3][0-9]$"},
+        "per": {"enum": ["hour", "day"]}}, "required": ["store", "date", "per"]}}}
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+                   "required": ["city"]}}}
+TOOLS = [VISITORS, WEATHER]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+ASK = [{"role": "user", "content": "How many visitors did store 12 have on 2026-03-04, per hour?"}]
+
+
+@pytest.fixture(scope="module")
+def tool_server():
+    srv = ServerProcess("--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                        "--structured-outputs-compile-timeout", str(COMPILE_TIMEOUT_S))
+    yield srv
+    srv.close()
+
+
+@pytest.fixture(scope="module")
+def oai(tool_server):
+    return openai.OpenAI(base_url=f"{tool_server.url}/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def model(oai):
+    return oai.models.list().data[0].id
+
+
+# Every token under a grammar writes at least one character, and the longest valid call is under 160 characters
+# (the longest: get_weather with 12 \\uXXXX-escaped characters), so no answer can be cut off by max_tokens.
+MAX_TOKENS = 160
+
+
+def _check_calls(choices) -> int:
+    num = 0
+    for choice in choices:
+        assert choice.finish_reason == "tool_calls", (choice.finish_reason, choice.message)
+        assert choice.message.tool_calls
+        for call in choice.message.tool_calls:
+            assert call.id.startswith("call_") and call.type == "function"
+            jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+            num += 1
+    return num
+
+
+def test_required_and_named_arguments_validate_100_of_100(oai, model):
+    named = {"type": "function", "function": {"name": "get_visitors"}}
+    kwargs = dict(model=model, messages=ASK, tools=TOOLS, temperature=1.0, max_tokens=MAX_TOKENS, n=50)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        required = pool.submit(oai.chat.completions.create, tool_choice="required", parallel_tool_calls=False,
+                               seed=1, **kwargs)
+        by_name = pool.submit(oai.chat.completions.create, tool_choice=named, seed=2, **kwargs)
+        required, by_name = required.result(), by_name.result()
+    assert _check_calls(required.choices) == 50
+    assert _check_calls(by_name.choices) == 50
+    assert {c.message.tool_calls[0].function.name for c in by_name.choices} == {"get_visitors"}
+
+
+def _assemble(stream) -> dict[int, list[tuple[str, str]]]:
+    calls: dict[int, dict[int, dict]] = {}
+    finish = {}
+    for chunk in stream:
+        for choice in chunk.choices:
+            if choice.finish_reason:
+                finish[choice.index] = choice.finish_reason
+            for d in choice.delta.tool_calls or ():
+                entry = calls.setdefault(choice.index, {}).setdefault(d.index, {"name": "", "arguments": ""})
+                if d.id:
+                    assert d.id.startswith("call_") and "id" not in entry
+                    entry["id"] = d.id
+                entry["name"] += d.function.name or ""
+                entry["arguments"] += d.function.arguments or ""
+    assert set(finish.values()) == {"tool_calls"}
+    return {i: [(c["name"], c["arguments"]) for _, c in sorted(v.items())] for i, v in calls.items()}
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_streamed_tool_calls_assemble_to_the_non_streamed_ones(oai, model, tool_choice):
+    kwargs = dict(model=model, messages=ASK, tools=TOOLS, tool_choice=tool_choice, temperature=1.0, seed=7, n=3,
+                  max_tokens=MAX_TOKENS, parallel_tool_calls=False)
+    whole = oai.chat.completions.create(**kwargs)
+    _check_calls(whole.choices)
+    expected = {c.index: [(t.function.name, t.function.arguments) for t in c.message.tool_calls]
+                for c in whole.choices}
+    assert _assemble(oai.chat.completions.create(stream=True, **kwargs)) == expected
+
+
+def test_tool_history_renders_and_auto_answers(oai, model):
+    history = ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "get_visitors", "arguments": '{"store": 12, "date": "2026-03-04", "per": "hour"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"09": 31, "10": 48}'}]
+    tokens = httpx.post(f"{oai.base_url}".replace("/v1/", "") + "/tokenize",
+                        json={"messages": history}, timeout=60).json()["tokens"]
+    assert len(tokens) > 40
+    out = oai.chat.completions.create(model=model, messages=history, tools=TOOLS, max_tokens=8, temperature=0)
+    assert out.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    none = oai.chat.completions.create(model=model, messages=ASK, tools=TOOLS, tool_choice="none", max_tokens=4)
+    assert none.choices[0].message.tool_calls in (None, [])
+
+
+def test_response_format_and_structured_outputs(oai, model):
+    schema = {"type": "object", "properties": {"store": {"type": "integer", "minimum": 1, "maximum": 50},
+                                               "busy": {"type": "boolean"}}, "required": ["store", "busy"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "store", "schema": schema, "strict": True}}
+    chat = oai.chat.completions.create(model=model, messages=ASK, response_format=fmt, max_tokens=40, n=4,
+                                       temperature=1.0, seed=3)
+    for c in chat.choices:
+        assert c.finish_reason == "stop"
+        jsonschema.validate(json.loads(c.message.content), schema)
+    obj = oai.chat.completions.create(model=model, messages=ASK, response_format={"type": "json_object"},
+                                      max_tokens=40, temperature=0)
+    if obj.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(obj.choices[0].message.content), dict)
+    comp = oai.completions.create(model=model, prompt="Store 12 is", max_tokens=20,
+                                  extra_body={"response_format": fmt})
+    jsonschema.validate(json.loads(comp.choices[0].text), schema)
+    choice = oai.completions.create(model=model, prompt="Pick:", max_tokens=5, n=3, temperature=1.0,
+                                    extra_body={"structured_outputs": {"choice": ["hour", "day"]}})
+    assert {c.text for c in choice.choices} <= {"hour", "day"}
+    regex = oai.chat.completions.create(model=model, messages=ASK, max_tokens=12, stream=True,
+                                        extra_body={"structured_outputs": {"regex": "2026-0[1-9]-[0-2][0-9]"}})
+    text = "".join(ch.choices[0].delta.content or "" for ch in regex if ch.choices)
+    assert len(text) == 10 and text.startswith("2026-0")
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}},
+     "invalid JSON schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"a": {"type": "array", "uniqueItems": True}}}}}},
+     "'uniqueItems' at #/properties/a"),
+    ({"structured_outputs": {"regex": "a(b"}}, "regex cannot be compiled"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "exactly one"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "not in tools"),
+    ({"tool_choice": "required"}, "tool_choice needs tools"),
+])
+def test_bad_input_is_a_400(tool_server, body, message):
+    r = httpx.post(f"{tool_server.url}/v1/chat/completions", json={"messages": ASK, "max_tokens": 4, **body},
+                   timeout=60)
+    assert r.status_code == 400, r.text
+    assert message in r.json()["error"]["message"]
+
+
+def test_hermes_parser():
+    from pagedserve.server.tool_calls import parse_hermes
+
+    names = {"get_visitors"}
+    text = 'Sure.\n<tool_call>\n{"name": "get_visitors", "arguments": {"store": 12}}\n</tool_call>'
+    parsed = parse_hermes(text, names)
+    assert parsed.content == "Sure." and json.loads(parsed.tool_calls[0].function.arguments) == {"store": 12}
+    assert parse_hermes("<tool_call>{broken</tool_call>", names).tool_calls == []
+    assert parse_hermes('<tool_call>{"name": "other", "arguments": {}}</tool_call>', names).tool_calls == []
+
+
+def test_auto_streaming_holds_back_the_tool_call_tag():
+    from pagedserve.server.protocol import ChatCompletionRequest
+    from pagedserve.server.tool_stream import ToolStreamer, final_message
+
+    req = ChatCompletionRequest(messages=ASK, tools=TOOLS)
+    pieces = ["Let me", " check.", " <tool", "_call>\n{\"name\": \"get_weather\", ",
+              '"arguments": {"city": "Rome"}}\n</tool_call>']
+    streamer, content, calls, finish = ToolStreamer(req), "", [], None
+    for i, piece in enumerate(pieces):
+        delta, finish = streamer.delta(piece, "stop" if i == len(pieces) - 1 else None)
+        content += delta.content or ""
+        calls += delta.tool_calls or []
+    whole, whole_finish = final_message(req, "".join(pieces), "stop")
+    assert finish == whole_finish == "tool_calls"
+    assert content.strip() == whole.content == "Let me check."
+    assert [(c.function.name, c.function.arguments) for c in calls] == \
+        [(c.function.name, c.function.arguments) for c in whole.tool_calls] == [("get_weather", '{"city": "Rome"}')]
+
+
+def test_pathological_schema_is_refused_within_the_timeout_while_others_flow(tool_server, oai, model):
+    fmt = {"type": "json_schema", "json_schema": {"name": "deep", "schema": pathological_schema(8)}}
+
+    def pathological() -> tuple[int, float]:
+        t0 = time.monotonic()
+        r = httpx.post(f"{tool_server.url}/v1/chat/completions", timeout=120,
+                       json={"messages": ASK, "max_tokens": 4, "response_format": fmt})
+        return r.status_code, time.monotonic() - t0, r.json()
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        bad = pool.submit(pathological)
+        time.sleep(0.2)
+        t0 = time.monotonic()
+        plain = oai.chat.completions.create(model=model, messages=ASK, max_tokens=8, temperature=0)
+        plain_s = time.monotonic() - t0
+        status, seconds, body = bad.result()
+    assert status == 400 and "did not compile within" in body["error"]["message"], body
+    assert COMPILE_TIMEOUT_S <= seconds < COMPILE_TIMEOUT_S + 10
+    assert plain.choices[0].finish_reason in ("stop", "length") and plain_s < COMPILE_TIMEOUT_S + 10
