@@ -4,6 +4,8 @@ test or a launcher that sets one before the first use is obeyed.
     PAGEDSERVE_CACHE_DIR  root of converted GGUF models and built kernels (default ~/.cache/pagedserve)
     PAGEDSERVE_KERNELS    "0" turns off the compiled CPU kernels and oneDNN-packed linears (default on)
     PAGEDSERVE_API_KEY    `pagedserve serve`'s API key when --api-key is not given (vLLM reads VLLM_API_KEY)
+    PAGEDSERVE_CPU_ISA    kernel variant: "auto" (the best this CPU runs, default), "avx512", "avx2" or
+                          "baseline"; forcing one this CPU cannot run is an error (pagedserve/kernels/isa.py)
 """
 from __future__ import annotations
 
@@ -24,3 +26,7 @@ def api_key() -> str | None:
     if key is not None and not key:
         raise ValueError("PAGEDSERVE_API_KEY is set but empty (unset it to serve without an API key)")
     return key
+
+
+def cpu_isa() -> str:
+    return (os.environ.get("PAGEDSERVE_CPU_ISA") or "auto").strip().lower()
