@@ -8,8 +8,10 @@ kernels are tested against. The variant is chosen once per process from this CPU
 `selected_isa()` names it. Each variant's build lives under the pagedserve cache directory, keyed by the
 sources, the torch install and the variant's flags, never by the CPU that built it, so a cache can move
 between machines; a second process loads it in milliseconds, and concurrent first builds are serialized by
-cpp_extension's lock. `scripts/setup` builds every variant this CPU runs, so the first engine start and the
-tests do not pay the compile (about a minute per variant on two cores).
+cpp_extension's lock. Variants are built lazily, only when loaded: `scripts/setup` builds the chosen one and
+`baseline` (what the tests compare; about two minutes each on two busy cores), so the first engine start and
+the tests do not pay the compile. A variant this CPU cannot run is never built here; `syntax_check` still
+compiles its sources (without code generation) so CI on any x86 machine catches a broken AVX-512 path.
 """
 from __future__ import annotations
 
@@ -121,28 +123,46 @@ def load_isa(name: str):
 
 
 def runnable_isas() -> list[str]:
-    # Every variant this CPU runs, best first (what the parity tests compare against torch).
+    # Every variant this CPU runs, best first.
     return [v.name for v in isa.runnable()]
 
 
-@contextlib.contextmanager
-def use_isa(name: str):
-    # Runs this process's kernel calls (load(), ops_for()) on variant `name` inside the block, then restores
-    # the process's own choice. For tests that compare variants in one process; the engine never switches.
-    ops = load_isa(name)
-    saved = dict(_state)
-    _state.update(ops=ops, isa=name)
-    try:
-        yield ops
-    finally:
-        _state.clear()
-        _state.update(saved)
+def parity_isas() -> list[str]:
+    # The variants the parity tests run: this process's choice and the portable baseline, so CI builds at
+    # most two libraries (each costs minutes); PAGEDSERVE_TEST_ALL_ISAS=1 adds every other runnable one.
+    chosen = selected_isa()
+    if chosen is None:
+        return []
+    if os.environ.get("PAGEDSERVE_TEST_ALL_ISAS") == "1":
+        return runnable_isas()
+    return list(dict.fromkeys([chosen, isa.BASELINE.name]))
+
+
+def syntax_check(name: str, sources: list[str]) -> None:
+    """Compiles `sources` as one translation unit with variant `name`'s flags but without code generation
+    (-fsyntax-only; torch's headers parsed once: seconds), on any CPU; raises RuntimeError with the compiler's
+    errors. For variants this CPU cannot run. The sources must not define the same names twice."""
+    import subprocess
+    import sysconfig
+    import tempfile
+
+    from torch.utils.cpp_extension import include_paths
+
+    variant = {v.name: v for v in isa.variants()}[name]
+    includes = [f"-I{p}" for p in [*include_paths(), sysconfig.get_paths()["include"]]]
+    with tempfile.NamedTemporaryFile("w", suffix=".cpp") as unit:
+        unit.write("".join(f'#include "{os.path.abspath(src)}"\n' for src in sources))
+        unit.flush()
+        proc = subprocess.run([os.environ.get("CXX", "c++"), "-std=c++20", "-fsyntax-only", "-w",
+                               *_cflags(variant), *includes, unit.name], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the {name} variant does not compile:\n{proc.stderr[-4000:]}")
 
 
 def prebuild() -> list[str]:
-    # Builds (and loads) every variant this CPU runs; scripts/setup calls it. Returns the names built.
+    # Builds (and loads) the variants the engine and the tests use; scripts/setup calls it. Returns their names.
     built = []
-    for name in runnable_isas():
+    for name in parity_isas():
         try:
             load_isa(name)
             built.append(name)
