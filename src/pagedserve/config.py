@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 logger = logging.getLogger(__name__)
 
-DTYPES = ("float32", "float16", "bfloat16")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "reference", "cpu")
 # The default per-step token budget; without chunked prefill a whole prompt must fit one step, so the default
 # grows to max_model_len there (as vLLM).
@@ -25,7 +25,9 @@ class ModelConfig:
     model: str | None = None          # GGUF file or HF directory; None = embedded SmolLM2
     tokenizer: str | None = None      # HF tokenizer directory; defaults to the model's own
     max_model_len: int | None = None  # defaults to the model's context length, capped to the KV pool
-    dtype: str = "float32"
+    # "auto": bfloat16 where the device multiplies it natively, else float32 (model/dtypes.py); the engine
+    # replaces it with the resolved name.
+    dtype: str = "auto"
     seed: int = 0
     chat_template: str | None = None  # path or template text overriding the model's
     # "auto": the compiled CPU paged-attention kernel on CPU when it builds, else "reference" (pure torch).

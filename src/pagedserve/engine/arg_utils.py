@@ -52,7 +52,8 @@ class EngineArgs:
                        help="Hugging Face tokenizer directory (default: the model's own)")
         g.add_argument("--max-model-len", type=int, default=d.max_model_len,
                        help="context length, prompt + output (default: the model's, capped to the KV cache)")
-        g.add_argument("--dtype", choices=DTYPES, default=d.dtype)
+        g.add_argument("--dtype", choices=DTYPES, default=d.dtype,
+                       help="auto: bfloat16 on CUDA and on CPUs with AMX or AVX512-BF16, else float32")
         g.add_argument("--seed", type=int, default=d.seed, help="engine seed for unseeded sampling")
         g.add_argument("--chat-template", default=d.chat_template, metavar="FILE",
                        help="Jinja chat template (file or text) overriding the model's")

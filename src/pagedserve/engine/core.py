@@ -12,6 +12,7 @@ and only the requests that still raise are failed (with the error in their Engin
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ from pagedserve.core.request import Request, RequestStatus
 from pagedserve.core.scheduler import Scheduler
 from pagedserve.core.scheduler_output import ModelRunnerOutput, PromptLogprobsChunk, SchedulerOutput
 from pagedserve.metrics.stats import EngineStats, RequestStats
+from pagedserve.model.dtypes import resolve_dtype
 from pagedserve.model.loader import load_model
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.worker.kv_cache import allocate_host_caches, allocate_kv_caches, kv_bytes_per_block
@@ -84,7 +86,10 @@ class EngineCore:
         device = torch.device(config.device.resolve())
         if config.device.num_threads:
             torch.set_num_threads(config.device.num_threads)
-        dtype = getattr(torch, config.model.dtype)
+        dtype, why = resolve_dtype(config.model.dtype, device)
+        dtype_name = str(dtype).removeprefix("torch.")
+        logger.info("model dtype %s (%s)", dtype_name, why)
+        config = self.config = dataclasses.replace(config, model=dataclasses.replace(config.model, dtype=dtype_name))
         t0 = time.perf_counter()
         loaded = load_model(config.model.model, device, dtype, config.model.attention_backend,
                             config.model.tokenizer)

@@ -133,7 +133,7 @@ def parity_isas() -> list[str]:
     chosen = selected_isa()
     if chosen is None:
         return []
-    if os.environ.get("PAGEDSERVE_TEST_ALL_ISAS") == "1":
+    if envs.all_isas_in_tests():
         return runnable_isas()
     return list(dict.fromkeys([chosen, isa.BASELINE.name]))
 
