@@ -52,8 +52,13 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     swap_space_gib: float = 0.0
     preemption_mode: str = "recompute"  # "recompute" or "swap"
+    # --kv-cache-dtype (kv_dtypes.py): "auto" follows the model's dtype; the engine stores the resolved name.
+    cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        from pagedserve.kv_dtypes import canonical
+
+        object.__setattr__(self, "cache_dtype", canonical(self.cache_dtype))  # ValueError naming the flag
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if not 0.0 < self.kv_cache_fraction <= 1.0:

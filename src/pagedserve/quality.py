@@ -25,22 +25,37 @@ class Quality:
 def teacher_forced_logits(model, token_ids: list[int], kv_caches: list[torch.Tensor], block_size: int,
                           chunk: int = 128) -> torch.Tensor:
     # [len(token_ids), vocab] float32 logits; the caches must hold len(token_ids) tokens in blocks 0, 1, ...
-    device = kv_caches[0].device
-    n = len(token_ids)
-    num_blocks = -(-n // block_size)
-    table = torch.arange(num_blocks, dtype=torch.int64, device=device)[None, :]
-    ids = torch.tensor(token_ids, dtype=torch.int64, device=device)
-    out = []
+    ids = torch.tensor(token_ids, dtype=torch.int64, device=kv_caches[0].device)
+    return torch.cat([_forward(model, ids[start:start + chunk], start, kv_caches, block_size)
+                      for start in range(0, len(token_ids), chunk)])
+
+
+def greedy_continuation(model, token_ids: list[int], kv_caches: list[torch.Tensor], block_size: int,
+                        max_tokens: int, chunk: int = 512) -> list[int]:
+    # Prefill in chunks, then `max_tokens` greedy decode steps, each reading the whole context from the cache.
+    ids = torch.tensor(token_ids, dtype=torch.int64, device=kv_caches[0].device)
+    for start in range(0, len(token_ids), chunk):  # logits of the last position only: the LM head is costly
+        logits = _forward(model, ids[start:start + chunk], start, kv_caches, block_size, last_only=True)[-1]
+    out: list[int] = []
+    for _ in range(max_tokens):
+        out.append(int(logits.argmax()))
+        ids = torch.tensor(out[-1:], dtype=torch.int64, device=kv_caches[0].device)
+        logits = _forward(model, ids, len(token_ids) + len(out) - 1, kv_caches, block_size, last_only=True)[-1]
+    return out
+
+
+def _forward(model, ids: torch.Tensor, start: int, kv_caches: list[torch.Tensor], block_size: int,
+             last_only: bool = False) -> torch.Tensor:
+    # One sequence's tokens start .. start + len(ids) - 1 through the model, its blocks 0, 1, ... in order.
+    device, end = ids.device, start + len(ids)
+    table = torch.arange(-(-end // block_size), dtype=torch.int64, device=device)[None, :]
+    pos = torch.arange(start, end, dtype=torch.int64, device=device)
+    meta = AttentionMetadata(slot_mapping=pos, block_tables=table, seq_lens=torch.tensor([end], device=device),
+                             query_start_loc=torch.tensor([0, end - start], device=device),
+                             seq_lens_list=[end], query_lens_list=[end - start], block_size=block_size)
     with torch.inference_mode():
-        for start in range(0, n, chunk):
-            end = min(n, start + chunk)
-            pos = torch.arange(start, end, dtype=torch.int64, device=device)
-            meta = AttentionMetadata(slot_mapping=pos, block_tables=table,
-                                     seq_lens=torch.tensor([end], device=device),
-                                     query_start_loc=torch.tensor([0, end - start], device=device),
-                                     seq_lens_list=[end], query_lens_list=[end - start], block_size=block_size)
-            out.append(model.compute_logits(model.forward(ids[start:end], pos, kv_caches, meta)).float())
-    return torch.cat(out)
+        hidden = model.forward(ids, pos, kv_caches, meta)
+        return model.compute_logits(hidden[-1:] if last_only else hidden).float()
 
 
 def score(logits: torch.Tensor, token_ids: list[int], reference: torch.Tensor | None = None) -> Quality:

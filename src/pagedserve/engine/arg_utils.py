@@ -11,6 +11,7 @@ from typing import Any
 
 from pagedserve.config import (ATTENTION_BACKENDS, CHUNKED_PREFILL_BATCHED_TOKENS, DTYPES, CacheConfig,
                                DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig)
+from pagedserve.kv_dtypes import KV_CACHE_DTYPES
 
 
 def _default(cls: type, name: str) -> Any:
@@ -36,6 +37,7 @@ class EngineArgs:
     enable_prefix_caching: bool = _default(CacheConfig, "enable_prefix_caching")
     swap_space: float = _default(CacheConfig, "swap_space_gib")  # GiB, as vLLM's swap_space
     preemption_mode: str = _default(CacheConfig, "preemption_mode")
+    kv_cache_dtype: str = _default(CacheConfig, "cache_dtype")
     max_num_seqs: int = _default(SchedulerConfig, "max_num_seqs")
     max_num_batched_tokens: int | None = _default(SchedulerConfig, "max_num_batched_tokens")
     enable_chunked_prefill: bool = _default(SchedulerConfig, "enable_chunked_prefill")
@@ -72,6 +74,9 @@ class EngineArgs:
         g.add_argument("--swap-space", type=float, default=d.swap_space, metavar="GiB",
                        help="host memory for swapped-out KV blocks (preemption mode 'swap')")
         g.add_argument("--preemption-mode", choices=["recompute", "swap"], default=d.preemption_mode)
+        g.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, metavar="{" + ",".join(KV_CACHE_DTYPES) + "}",
+                       help="KV cache element type; auto: the model's dtype. fp8_e4m3 and int8 store 1 byte per "
+                            "element plus a scale per token and head (bytes per token in the start-up log)")
         g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="requests per step")
         g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
                        help=f"tokens per step (default: {CHUNKED_PREFILL_BATCHED_TOKENS}, or max_model_len "
@@ -97,6 +102,6 @@ class EngineArgs:
                               self.chat_template, self.attention_backend),
             cache=CacheConfig(self.block_size, self.kv_cache_memory_bytes, self.kv_cache_fraction,
                               self.num_gpu_blocks_override, self.enable_prefix_caching, self.swap_space,
-                              self.preemption_mode),
+                              self.preemption_mode, self.kv_cache_dtype),
             scheduler=scheduler,
             device=DeviceConfig(self.device, self.num_threads))

@@ -25,6 +25,8 @@ from pagedserve.core.request import Request, RequestStatus
 from pagedserve.core.scheduler import Scheduler
 from pagedserve.core.scheduler_output import ModelRunnerOutput, PromptLogprobsChunk, SchedulerOutput
 from pagedserve.metrics.stats import EngineStats, RequestStats
+from pagedserve import kv_dtypes
+from pagedserve.attention.kv_quant import storage_dtype
 from pagedserve.model.dtypes import resolve_dtype
 from pagedserve.model.loader import load_model
 from pagedserve.sampling_params import SamplingParams
@@ -89,7 +91,13 @@ class EngineCore:
         dtype, why = resolve_dtype(config.model.dtype, device)
         dtype_name = str(dtype).removeprefix("torch.")
         logger.info("model dtype %s (%s)", dtype_name, why)
-        config = self.config = dataclasses.replace(config, model=dataclasses.replace(config.model, dtype=dtype_name))
+        kv_name = kv_dtypes.resolve(config.cache.cache_dtype, dtype_name)
+        kv_dtype = storage_dtype(kv_name)  # ValueError naming the flag where this torch lacks the type
+        if config.cache.cache_dtype not in ("auto", "float32") and config.model.attention_backend == "cpu":
+            raise ValueError(f"--kv-cache-dtype {kv_name} needs --attention-backend auto or reference: the "
+                             "compiled 'cpu' backend reads float32 caches only")
+        config = self.config = dataclasses.replace(config, model=dataclasses.replace(config.model, dtype=dtype_name),
+                                                   cache=dataclasses.replace(config.cache, cache_dtype=kv_name))
         t0 = time.perf_counter()
         loaded = load_model(config.model.model, device, dtype, config.model.attention_backend,
                             config.model.tokenizer)
@@ -100,13 +108,16 @@ class EngineCore:
         num_kv_heads = hf.num_key_value_heads
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         bs = config.cache.block_size
-        num_blocks = plan_num_blocks(config.cache, hf.num_hidden_layers, num_kv_heads, head_dim, dtype, device)
+        self.kv_bytes_per_token = kv_dtypes.bytes_per_token(kv_name, hf.num_hidden_layers, num_kv_heads, head_dim)
+        logger.info("KV cache dtype %s: %d bytes per token (float32: %d)", kv_name, self.kv_bytes_per_token,
+                    kv_dtypes.bytes_per_token("float32", hf.num_hidden_layers, num_kv_heads, head_dim))
+        num_blocks = plan_num_blocks(config.cache, hf.num_hidden_layers, num_kv_heads, head_dim, kv_dtype, device)
         # max_model_len and the token budget are final only now: checked against the model and the pool.
         config = self.config = resolve_limits(config, loaded.max_model_len, num_blocks)
         max_len = self.max_model_len = config.model.max_model_len
-        kv_caches = allocate_kv_caches(hf.num_hidden_layers, num_blocks, bs, num_kv_heads, head_dim, dtype,
+        kv_caches = allocate_kv_caches(hf.num_hidden_layers, num_blocks, bs, num_kv_heads, head_dim, kv_dtype,
                                        device)
-        per_block = kv_bytes_per_block(hf.num_hidden_layers, bs, num_kv_heads, head_dim, dtype)
+        per_block = kv_bytes_per_block(hf.num_hidden_layers, bs, num_kv_heads, head_dim, kv_dtype)
         num_host_blocks = int(config.cache.swap_space_gib * (1 << 30)) // per_block
         if config.cache.preemption_mode == "swap" and num_host_blocks == 0:
             raise ValueError("preemption_mode='swap' needs swap_space > 0 (GiB of host memory)")
@@ -116,7 +127,7 @@ class EngineCore:
                                   config.scheduler.max_num_seqs, max_len, config.model.seed)
         if num_host_blocks:
             self.runner.host_caches = allocate_host_caches(hf.num_hidden_layers, num_host_blocks, bs,
-                                                           num_kv_heads, head_dim, dtype, device)
+                                                           num_kv_heads, head_dim, kv_dtype, device)
         self.stats = EngineStats()
         # Samples of one user request (a sample's group is the sample it forks, or itself), so metrics count
         # a request once when its last sample ends, as vLLM does.

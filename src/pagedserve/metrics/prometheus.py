@@ -99,8 +99,9 @@ class _SnapshotCollector:
             success.add_metric([self.model_name, reason], value)
         yield success
         info = GaugeMetricFamily(f"{p}:cache_config_info", "Information of the KV cache configuration.",
-                                 labels=["block_size", "num_gpu_blocks"])
-        info.add_metric([str(self.engine.block_size), str(self.engine.num_kv_blocks)], 1)
+                                 labels=["block_size", "num_gpu_blocks", "cache_dtype", "kv_bytes_per_token"])
+        info.add_metric([str(self.engine.block_size), str(self.engine.num_kv_blocks), self.engine.kv_cache_dtype,
+                         str(self.engine.kv_bytes_per_token)], 1)
         yield info
 
 
