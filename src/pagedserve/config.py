@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 logger = logging.getLogger(__name__)
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATIONS = ("gguf", "int8", "none")
 ATTENTION_BACKENDS = ("auto", "reference", "cpu")
 # The default per-step token budget; without chunked prefill a whole prompt must fit one step, so the default
 # grows to max_model_len there (as vLLM).
@@ -32,8 +33,14 @@ class ModelConfig:
     chat_template: str | None = None  # path or template text overriding the model's
     # "auto": the compiled CPU paged-attention kernel on CPU when it builds, else "reference" (pure torch).
     attention_backend: str = "auto"
+    # --quantization: "gguf", "int8" or "none"; None = gguf for GGUF files where the block kernels run, else
+    # none (model/weight_quant.py). The engine stores the resolved name.
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"--quantization {self.quantization!r} is not supported; valid values: "
+                             f"{', '.join(QUANTIZATIONS)}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.dtype not in DTYPES:

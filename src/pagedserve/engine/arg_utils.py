@@ -9,8 +9,8 @@ import argparse
 from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
-from pagedserve.config import (ATTENTION_BACKENDS, CHUNKED_PREFILL_BATCHED_TOKENS, DTYPES, CacheConfig,
-                               DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig)
+from pagedserve.config import (ATTENTION_BACKENDS, CHUNKED_PREFILL_BATCHED_TOKENS, DTYPES, QUANTIZATIONS,
+                               CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig)
 from pagedserve.kv_dtypes import KV_CACHE_DTYPES
 
 
@@ -30,6 +30,7 @@ class EngineArgs:
     seed: int = _default(ModelConfig, "seed")
     chat_template: str | None = _default(ModelConfig, "chat_template")
     attention_backend: str = _default(ModelConfig, "attention_backend")
+    quantization: str | None = _default(ModelConfig, "quantization")
     block_size: int = _default(CacheConfig, "block_size")
     kv_cache_memory_bytes: int | None = _default(CacheConfig, "kv_cache_memory_bytes")
     kv_cache_fraction: float = _default(CacheConfig, "kv_cache_fraction")
@@ -61,6 +62,9 @@ class EngineArgs:
                        help="Jinja chat template (file or text) overriding the model's")
         g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=d.attention_backend,
                        help="auto: the compiled CPU kernel on CPU when it builds, else the pure-torch reference")
+        g.add_argument("--quantization", "-q", choices=QUANTIZATIONS, default=d.quantization,
+                       help="gguf: GGUF weights stay Q4_1/Q8_0 blocks (default for GGUF files); int8: weight-only "
+                            "int8 for float checkpoints; none: dequantized weights")
         g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
         mem = g.add_mutually_exclusive_group()
         mem.add_argument("--kv-cache-memory", "--kv-cache-memory-bytes", dest="kv_cache_memory_bytes", type=int,
@@ -99,7 +103,7 @@ class EngineArgs:
             scheduler.check_fits(self.max_model_len)
         return EngineConfig(
             model=ModelConfig(self.model, self.tokenizer, self.max_model_len, self.dtype, self.seed,
-                              self.chat_template, self.attention_backend),
+                              self.chat_template, self.attention_backend, self.quantization),
             cache=CacheConfig(self.block_size, self.kv_cache_memory_bytes, self.kv_cache_fraction,
                               self.num_gpu_blocks_override, self.enable_prefix_caching, self.swap_space,
                               self.preemption_mode, self.kv_cache_dtype),

@@ -100,7 +100,9 @@ class EngineCore:
                                                    cache=dataclasses.replace(config.cache, cache_dtype=kv_name))
         t0 = time.perf_counter()
         loaded = load_model(config.model.model, device, dtype, config.model.attention_backend,
-                            config.model.tokenizer)
+                            config.model.tokenizer, config.model.quantization)
+        config = self.config = dataclasses.replace(
+            config, model=dataclasses.replace(config.model, quantization=loaded.quantization))
         # The core never reads text; the front-end takes the loaded tokenizer and template from here.
         self.loaded = loaded
         self.model_name = loaded.model_name

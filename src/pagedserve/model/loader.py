@@ -29,6 +29,7 @@ from torch import nn
 from pagedserve import envs
 from pagedserve.attention.backend import get_attention_backend
 from pagedserve.model.registry import get_model_class, resolve_architecture
+from pagedserve.model.weight_quant import apply_quantization, resolve_quantization
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerFast
@@ -59,6 +60,7 @@ class LoadedModel:
     eos_token_ids: list[int]
     max_model_len: int
     model_name: str
+    quantization: str = "none"  # what --quantization resolved to (model/weight_quant.py)
 
 
 def default_model_path() -> str:
@@ -75,8 +77,9 @@ def default_model_path() -> str:
 
 def load_model(path: str | None = None, device: str | torch.device = "cpu",
                dtype: torch.dtype | str = torch.float32, attn_backend: str = "reference",
-               tokenizer: str | None = None) -> LoadedModel:
+               tokenizer: str | None = None, quantization: str | None = "none") -> LoadedModel:
     # tokenizer: a Hugging Face tokenizer directory used instead of the model's own tokenizer.
+    # quantization: --quantization (model/weight_quant.py); None picks gguf for GGUF files where it runs.
     path = default_model_path() if path is None else os.path.abspath(os.path.expanduser(str(path)))
     device, dtype = torch.device(device), _as_dtype(dtype)
     if not os.path.exists(path):
@@ -89,15 +92,21 @@ def load_model(path: str | None = None, device: str | torch.device = "cpu",
     if os.path.isdir(path):
         if not os.path.isfile(os.path.join(path, "config.json")):
             raise ValueError(f"{path} is a directory without config.json; expected a Hugging Face model directory")
-        return _load_hf_dir(path, os.path.basename(path.rstrip(os.sep)), device, dtype, attn_backend, tokenizer)
-    with open(path, "rb") as f:
-        if f.read(4) != GGUF_MAGIC:
-            raise ValueError(f"{path} is not a GGUF file (bad magic bytes) and not a model directory")
-    name = os.path.splitext(os.path.basename(path))[0]
-    cache_dir = _cache_dir_for(path, name)
-    if not _is_complete(cache_dir):
-        _convert_gguf(path, cache_dir)
-    return _load_hf_dir(cache_dir, name, device, dtype, attn_backend, tokenizer)
+        method = resolve_quantization(quantization, False, dtype, device)
+        loaded = _load_hf_dir(path, os.path.basename(path.rstrip(os.sep)), device, dtype, attn_backend, tokenizer)
+    else:
+        with open(path, "rb") as f:
+            if f.read(4) != GGUF_MAGIC:
+                raise ValueError(f"{path} is not a GGUF file (bad magic bytes) and not a model directory")
+        method = resolve_quantization(quantization, True, dtype, device)
+        name = os.path.splitext(os.path.basename(path))[0]
+        cache_dir = _cache_dir_for(path, name)
+        if not _is_complete(cache_dir):
+            _convert_gguf(path, cache_dir)
+        loaded = _load_hf_dir(cache_dir, name, device, dtype, attn_backend, tokenizer)
+    apply_quantization(loaded.model, method)
+    loaded.quantization = method
+    return loaded
 
 
 def _as_dtype(dtype: torch.dtype | str) -> torch.dtype:
