@@ -130,3 +130,25 @@ def test_engine_int8_kv_cache(caplog) -> None:
     assert llm.llm_engine.core.config.cache.cache_dtype == "int8"
     out = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=4))
     assert "Paris" in out[0].outputs[0].text
+
+
+def test_low_precision_kv_quality_bounds(embedded_model) -> None:
+    # Issue 11's targets (1% perplexity on benchmarks/quality.py's text) on a short text, where 37 tokens make
+    # perplexity noisy (int8 measured -1.3%, KL 0.0006): 2% perplexity and a tight KL.
+    from pagedserve.quality import score, teacher_forced_logits
+
+    model = embedded_model.model
+    text = ("A record is valuable not because it is precise but because it is kept the same way for a long time, "
+            "with its method written down, so that small biases can be measured and removed.")
+    ids = embedded_model.tokenizer(text)["input_ids"]
+
+    def logits(kv: str) -> torch.Tensor:
+        caches = allocate_kv_caches(len(model.model.layers), 4, 16, model.num_kv_heads, model.head_dim,
+                                    kv_quant.storage_dtype(kv), "cpu")
+        return teacher_forced_logits(model, ids, caches, 16, chunk=8)  # 8-token chunks: most K/V read back
+
+    reference = logits("float32")
+    fp32 = score(reference, ids)
+    for kv in ("bfloat16", "int8", "fp8_e4m3"):
+        q = score(logits(kv), ids, reference=reference)
+        assert abs(q.perplexity / fp32.perplexity - 1) < 0.02 and q.mean_kl < 0.005, (kv, q, fp32)
