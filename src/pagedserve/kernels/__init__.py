@@ -159,6 +159,20 @@ def syntax_check(name: str, sources: list[str]) -> None:
         raise RuntimeError(f"the {name} variant does not compile:\n{proc.stderr[-4000:]}")
 
 
+@contextlib.contextmanager
+def use_isa(name: str):
+    # Runs this process's kernel calls (load(), ops_for()) on variant `name` inside the block, then restores
+    # the process's own choice. For tests that compare variants in one process; the engine never switches.
+    ops = load_isa(name)
+    saved = dict(_state)
+    _state.update(ops=ops, isa=name)
+    try:
+        yield ops
+    finally:
+        _state.clear()
+        _state.update(saved)
+
+
 def prebuild() -> list[str]:
     # Builds (and loads) the variants the engine and the tests use; scripts/setup calls it. Returns their names.
     built = []
