@@ -96,6 +96,9 @@ def main() -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--num-threads", type=int, default=None)
     p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--dtype", default=None, help="engine --dtype (default: the engine's, auto)")
+    p.add_argument("--quantization", default=None, help="engine --quantization (default: the engine's)")
+    p.add_argument("--kv-cache-dtype", default=None, help="engine --kv-cache-dtype (default: auto)")
     args = p.parse_args()
 
     kwargs = {"num_threads": args.num_threads, "attention_backend": args.attention_backend}
@@ -103,6 +106,9 @@ def main() -> None:
         kwargs["max_num_seqs"] = args.max_num_seqs
     if args.max_num_batched_tokens:
         kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
+    for name in ("dtype", "quantization", "kv_cache_dtype"):  # only when given: older engines lack them
+        if getattr(args, name) is not None:
+            kwargs[name] = getattr(args, name)
     llm = LLM(**kwargs)
     if args.single:
         print(f"single-stream decode: {single_stream(llm, args.single):.2f} ms/token "

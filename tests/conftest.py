@@ -2,7 +2,13 @@
 `tests.<module>`."""
 from __future__ import annotations
 
+import os
+
 import pytest
+
+# The suite's oracles (transformers, the reference backend) run in float32: `--dtype auto` stays float32 in
+# every test and every server a test starts, whatever this CPU has. The dtype tests set dtypes explicitly.
+os.environ.setdefault("PAGEDSERVE_AUTO_DTYPE", "float32")
 
 
 @pytest.fixture(scope="session")

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 
 logger = logging.getLogger(__name__)
 
-DTYPES = ("float32", "float16", "bfloat16")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATIONS = ("gguf", "int8", "none")
 ATTENTION_BACKENDS = ("auto", "reference", "cpu")
 # The default per-step token budget; without chunked prefill a whole prompt must fit one step, so the default
 # grows to max_model_len there (as vLLM).
@@ -25,13 +26,21 @@ class ModelConfig:
     model: str | None = None          # GGUF file or HF directory; None = embedded SmolLM2
     tokenizer: str | None = None      # HF tokenizer directory; defaults to the model's own
     max_model_len: int | None = None  # defaults to the model's context length, capped to the KV pool
-    dtype: str = "float32"
+    # "auto": bfloat16 where the device multiplies it natively, else float32 (model/dtypes.py); the engine
+    # replaces it with the resolved name.
+    dtype: str = "auto"
     seed: int = 0
     chat_template: str | None = None  # path or template text overriding the model's
     # "auto": the compiled CPU paged-attention kernel on CPU when it builds, else "reference" (pure torch).
     attention_backend: str = "auto"
+    # --quantization: "gguf", "int8" or "none"; None = gguf for GGUF files where the block kernels run, else
+    # none (model/weight_quant.py). The engine stores the resolved name.
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"--quantization {self.quantization!r} is not supported; valid values: "
+                             f"{', '.join(QUANTIZATIONS)}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.dtype not in DTYPES:
@@ -50,8 +59,13 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     swap_space_gib: float = 0.0
     preemption_mode: str = "recompute"  # "recompute" or "swap"
+    # --kv-cache-dtype (kv_dtypes.py): "auto" follows the model's dtype; the engine stores the resolved name.
+    cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        from pagedserve.kv_dtypes import canonical
+
+        object.__setattr__(self, "cache_dtype", canonical(self.cache_dtype))  # ValueError naming the flag
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if not 0.0 < self.kv_cache_fraction <= 1.0:

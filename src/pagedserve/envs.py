@@ -4,6 +4,12 @@ test or a launcher that sets one before the first use is obeyed.
     PAGEDSERVE_CACHE_DIR  root of converted GGUF models and built kernels (default ~/.cache/pagedserve)
     PAGEDSERVE_KERNELS    "0" turns off the compiled CPU kernels and oneDNN-packed linears (default on)
     PAGEDSERVE_API_KEY    `pagedserve serve`'s API key when --api-key is not given (vLLM reads VLLM_API_KEY)
+    PAGEDSERVE_CPU_ISA    kernel variant: "auto" (the best this CPU runs, default), "avx512", "avx2" or
+                          "baseline"; forcing one this CPU cannot run is an error (pagedserve/kernels/isa.py)
+    PAGEDSERVE_TEST_ALL_ISAS "1": the kernel parity tests run every variant this CPU runs, not only its own
+                          and baseline (each costs a build of minutes)
+    PAGEDSERVE_AUTO_DTYPE what `--dtype auto` means, when set: "float32", "bfloat16" or "float16" (the test
+                          suite pins float32 so its fp32 oracles hold on every CPU; model/dtypes.py)
 """
 from __future__ import annotations
 
@@ -24,3 +30,15 @@ def api_key() -> str | None:
     if key is not None and not key:
         raise ValueError("PAGEDSERVE_API_KEY is set but empty (unset it to serve without an API key)")
     return key
+
+
+def cpu_isa() -> str:
+    return (os.environ.get("PAGEDSERVE_CPU_ISA") or "auto").strip().lower()
+
+
+def auto_dtype() -> str | None:
+    return os.environ.get("PAGEDSERVE_AUTO_DTYPE") or None
+
+
+def all_isas_in_tests() -> bool:
+    return os.environ.get("PAGEDSERVE_TEST_ALL_ISAS") == "1"

@@ -1,6 +1,8 @@
 """`pagedserve plan`: how many sequences fit in a KV cache budget, paged versus contiguous.
 
-    KV bytes per token = 2 (K and V) x layers x kv_heads x head_dim x bytes per element
+    KV bytes per token = 2 (K and V) x layers x kv_heads x (head_dim x bytes per element [+ 4-byte scale])
+
+(the scale for the 8-bit kinds pagedserve stores, --kv-cache-dtype int8 / fp8_e4m3: kv_dtypes.py)
 
 Paged allocation hands a sequence of L tokens ceil(L / B) blocks of B tokens, so it wastes under one block.
 A contiguous allocator that does not know the output length reserves the whole context for every sequence,
@@ -13,6 +15,8 @@ import json
 import math
 import os
 from dataclasses import asdict, dataclass
+
+from pagedserve.kv_dtypes import ALIASES, ELEMENT_BYTES, QUANTIZED, SCALE_BYTES, bytes_per_token
 
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "float": 4, "float16": 2, "fp16": 2, "half": 2, "bfloat16": 2, "bf16": 2,
                "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "float8": 1, "int8": 1}
@@ -39,6 +43,14 @@ class LengthRow:
 
 def kv_bytes_per_token(shape: KVShape, dtype_bytes: int) -> int:
     return 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * dtype_bytes
+
+
+def _per_token(shape: KVShape, dtype: str) -> int:
+    # The engine's own arithmetic for the dtypes it stores (8-bit ones carry scales), plain bytes otherwise.
+    kv = ALIASES.get(dtype, dtype)
+    if kv in ELEMENT_BYTES:
+        return bytes_per_token(kv, shape.num_layers, shape.num_kv_heads, shape.head_dim)
+    return kv_bytes_per_token(shape, DTYPE_BYTES[dtype])
 
 
 def _hf_shape(cfg: dict, name: str) -> KVShape:
@@ -130,7 +142,7 @@ def plan(shape: KVShape, memory_gib: float, context: int | None, block_size: int
     if memory_gib <= 0 or block_size < 1:
         raise ValueError("--memory-gib must be > 0 and --block-size >= 1")
     context = context or shape.max_context or 4096
-    per_token = kv_bytes_per_token(shape, DTYPE_BYTES[dtype.lower()])
+    per_token = _per_token(shape, dtype.lower())
     budget_tokens = int(memory_gib * GIB) // per_token
     budget_tokens -= budget_tokens % block_size  # the pool holds whole blocks only
     if seq_lens and max(seq_lens) > context:
@@ -145,8 +157,10 @@ def plan(shape: KVShape, memory_gib: float, context: int | None, block_size: int
 
 def format_plan(p: dict) -> str:
     m, b = p["model"], DTYPE_BYTES[p["dtype"].lower()]
+    kv = ALIASES.get(p["dtype"].lower(), p["dtype"].lower())
+    row = f"({m['head_dim']} x {b} B + {SCALE_BYTES} B scale)" if kv in QUANTIZED else f"{m['head_dim']} x {b} B"
     lines = [f"model          {m['name']}: {m['num_layers']} layers, {m['num_kv_heads']} KV heads x head_dim {m['head_dim']}",
-             f"KV per token   2 x {m['num_layers']} x {m['num_kv_heads']} x {m['head_dim']} x {b} B ({p['dtype']}) = "
+             f"KV per token   2 x {m['num_layers']} x {m['num_kv_heads']} x {row} ({p['dtype']}) = "
              f"{p['kv_bytes_per_token']:,} B ({p['kv_bytes_per_token'] / 1024:.1f} KiB)",
              f"KV budget      {p['memory_gib']:g} GiB = {p['budget_tokens']:,} tokens = {p['budget_blocks']:,} blocks "
              f"of {p['block_size']}",
@@ -169,7 +183,9 @@ def add_plan_parser(subparsers) -> None:
     p.add_argument("--memory-gib", type=float, required=True, help="memory given to the KV cache, GiB")
     p.add_argument("--context", type=int, default=None, help="max sequence length (default: the model's)")
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--dtype", default="float32", help="KV element type (default float32, pagedserve's CPU default)")
+    p.add_argument("--kv-cache-dtype", "--dtype", dest="dtype", default="float32",
+                   help="KV element type (default float32; int8 and fp8_e4m3 as the engine stores them, with "
+                        "scales)")
     p.add_argument("--seq-len", type=int, nargs="+", default=None, help="lengths to tabulate")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=cmd_plan)

@@ -15,15 +15,18 @@ ops = kernels.load()
 pytestmark = pytest.mark.skipif(ops is None, reason="CPU kernels could not be built here")
 
 
-def _backend(max_kernel_q_len: int):
+@pytest.fixture(params=kernels.parity_isas())
+def make_backend(request):
+    # A backend factory on one ISA variant of the kernel: this CPU's and the portable baseline.
     from pagedserve.attention.cpu_paged import CpuPagedAttentionBackend
 
-    return CpuPagedAttentionBackend(ops, max_kernel_q_len)
+    variant_ops = kernels.load_isa(request.param)
+    return lambda max_kernel_q_len: CpuPagedAttentionBackend(variant_ops, max_kernel_q_len)
 
 
 @pytest.mark.parametrize("max_kernel_q_len", [-1, 4, 0])  # all in the kernel / mixed / all via SDPA
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2), (6, 1)])
-def test_kernel_matches_dense(max_kernel_q_len: int, num_heads: int, num_kv_heads: int) -> None:
+def test_kernel_matches_dense(make_backend, max_kernel_q_len: int, num_heads: int, num_kv_heads: int) -> None:
     gen = torch.Generator().manual_seed(0)
     total_lens = [sum(c) for c in CHUNKS]
     scale = HEAD_DIM ** -0.5
@@ -34,13 +37,13 @@ def test_kernel_matches_dense(max_kernel_q_len: int, num_heads: int, num_kv_head
     num_blocks = 40
     tables = scattered_block_tables(total_lens, BLOCK_SIZE, num_blocks)
     kv_cache = 100 * torch.randn(2, num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM, generator=gen)
-    got = run_backend_chunks(_backend(max_kernel_q_len), qs, ks, vs, tables, kv_cache, scale)
+    got = run_backend_chunks(make_backend(max_kernel_q_len), qs, ks, vs, tables, kv_cache, scale)
     for i, (g, e) in enumerate(zip(got, expected)):
         torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-5, msg=lambda m: f"sequence {i}: {m}")
 
 
 @pytest.mark.parametrize("head_dim,block_size", [(64, 16), (128, 8), (40, 16)])
-def test_kernel_matches_reference(head_dim: int, block_size: int) -> None:
+def test_kernel_matches_reference(make_backend, head_dim: int, block_size: int) -> None:
     # Model-like shapes: GQA group 3, query tiles of 16 crossing block edges, non-contiguous q/k/v views
     # (slices of one fused projection, as the model passes them), long contexts.
     gen = torch.Generator().manual_seed(1)
@@ -61,7 +64,7 @@ def test_kernel_matches_reference(head_dim: int, block_size: int) -> None:
     expected = ReferenceAttentionBackend().forward(q, k, v, ref_cache, meta, scale)
     for limit in (-1, 16):
         got_cache = cache.clone()
-        got = _backend(limit).forward(q, k, v, got_cache, meta, scale)
+        got = make_backend(limit).forward(q, k, v, got_cache, meta, scale)
         torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
         assert torch.equal(got_cache, ref_cache)
 

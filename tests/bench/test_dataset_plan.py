@@ -76,6 +76,11 @@ def test_kv_bytes_match_the_engine_allocator():
     shape = KVShape("t", num_layers=30, num_kv_heads=3, head_dim=64, max_context=8192)
     assert kv_bytes_per_token(shape, 4) == 2 * 30 * 3 * 64 * 4
     assert kv_bytes_per_token(shape, 4) * 16 == kv_bytes_per_block(30, 16, 3, 64, torch.float32)
+    # The 8-bit kinds carry a float32 scale per token, head and K/V: plan counts what the allocator takes.
+    for name, dtype in (("int8", torch.int8), ("fp8_e4m3", torch.float8_e4m3fn), ("bfloat16", torch.bfloat16)):
+        per_token = plan(shape, 1, None, 16, name, None)["kv_bytes_per_token"]
+        assert per_token * 16 == kv_bytes_per_block(30, 16, 3, 64, dtype)
+    assert plan(shape, 1, None, 16, "int8", None)["kv_bytes_per_token"] == 2 * 30 * 3 * (64 + 4) == 12240
 
 
 def test_paged_versus_contiguous_counts():

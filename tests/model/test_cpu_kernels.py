@@ -1,4 +1,5 @@
-"""The compiled layer ops and oneDNN linears equal the torch arithmetic they replace."""
+"""The compiled layer ops and oneDNN linears equal the torch arithmetic they replace, in every ISA variant of
+the kernels this CPU runs (the portable ones too); how a variant is chosen."""
 from __future__ import annotations
 
 import pytest
@@ -6,20 +7,29 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve import kernels
+from pagedserve.kernels import isa
 from pagedserve.model.layers.linear import Linear, find_exact_blocks, onednn_available
 from pagedserve.model.layers.norm import RMSNorm
 
 ops = kernels.load()
-needs_ops = pytest.mark.skipif(ops is None, reason="CPU kernels could not be built here")
+# This CPU's variant and the portable baseline (kernels.parity_isas); none (so the parametrized tests are
+# skipped) when the kernels cannot be built.
+ISAS = kernels.parity_isas()
+
+
+@pytest.fixture(params=ISAS)
+def variant_ops(request):
+    # One variant's ops, and this process's kernel calls (the layers' fast paths) routed to it for the test.
+    with kernels.use_isa(request.param) as variant:
+        yield variant
 
 
 def torch_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
 
-@needs_ops
 @pytest.mark.parametrize("num_tokens,hidden", [(1, 576), (37, 576), (5, 100)])
-def test_rms_norm_and_fused_add(num_tokens: int, hidden: int) -> None:
+def test_rms_norm_and_fused_add(variant_ops, num_tokens: int, hidden: int) -> None:
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(num_tokens, hidden, generator=gen)
     residual = torch.randn(num_tokens, hidden, generator=gen)
@@ -33,8 +43,7 @@ def test_rms_norm_and_fused_add(num_tokens: int, hidden: int) -> None:
     torch.testing.assert_close(got, expected)
 
 
-@needs_ops
-def test_rotary_in_place_matches_torch_path() -> None:
+def test_rotary_in_place_matches_torch_path(variant_ops) -> None:
     from transformers import LlamaConfig
 
     from pagedserve.model.layers.rotary import RotaryEmbedding
@@ -60,8 +69,7 @@ class _TorchPath:
         self.inv_freq, self.attention_scaling, self.max_positions = rope.inv_freq, rope.attention_scaling, 0
 
 
-@needs_ops
-def test_silu_and_mul() -> None:
+def test_silu_and_mul(variant_ops) -> None:
     from pagedserve.model.layers.activation import SiluAndMul
 
     x = torch.randn(9, 2 * 1536, generator=torch.Generator().manual_seed(0)) * 4
@@ -103,7 +111,8 @@ def _q8_0_weights(n: int, k: int, seed: int = 0) -> torch.Tensor:
     return (d * torch.round(x / d).clamp(-127, 127)).reshape(n, k)
 
 
-def test_exact_block_recovery() -> None:
+@pytest.mark.parametrize("isa_name", ISAS or [None])
+def test_exact_block_recovery(isa_name: str | None) -> None:
     from pagedserve.model.layers.quant import find_q4_1, find_q8_0
 
     w4, w8 = _q4_1_weights(64, 96), _q8_0_weights(64, 96)
@@ -117,7 +126,9 @@ def test_exact_block_recovery() -> None:
     dense = torch.randn(64, 96)
     assert find_q4_1(dense) is None and find_q8_0(dense) is None
     assert find_q4_1(w4[:, :40].contiguous()) is None  # K not a multiple of the block
-    if ops is not None:  # the compiled search finds the same blocks
+    if isa_name is None:
+        return
+    with kernels.use_isa(isa_name):  # the compiled search finds the same blocks
         for w, fmt, expected in ((w4, "q4_1", (qs, dm)), (w8, "q8_0", (qs8, d8))):
             got = find_exact_blocks(w, (fmt,))
             assert got is not None and all(torch.equal(a, b) for a, b in zip(got[1], expected))
@@ -125,9 +136,8 @@ def test_exact_block_recovery() -> None:
         assert find_exact_blocks(w8)[0] == "q8_0"  # the default tries both formats
 
 
-@needs_ops
 @pytest.mark.parametrize("num_tokens", [1, 3, 8, 11])
-def test_quant_gemm_matches_fp32(num_tokens: int) -> None:
+def test_quant_gemm_matches_fp32(variant_ops, num_tokens: int) -> None:
     from pagedserve.model.layers.linear import find_exact_blocks, quant_linear
 
     gen = torch.Generator().manual_seed(1)
@@ -140,5 +150,86 @@ def test_quant_gemm_matches_fp32(num_tokens: int) -> None:
         got = quant_linear(x, blocks, b)
         if num_tokens > 8:  # above QUANT_MAX_TOKENS the fp32 path runs
             assert got is None
-            got = ops.gemm_q4_1(x, *blocks[1], b) if fmt == "q4_1" else ops.gemm_q8_0(x, *blocks[1], b)
+            gemm = variant_ops.gemm_q4_1 if fmt == "q4_1" else variant_ops.gemm_q8_0
+            got = gemm(x, *blocks[1], b)
         torch.testing.assert_close(got, F.linear(x, w, b), atol=1e-5, rtol=1e-5)
+
+
+AVX2_CPU = frozenset({"sse2", "avx", "avx2", "fma", "f16c"})
+AVX512_CPU = AVX2_CPU | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"}
+
+
+def test_choose_variant() -> None:
+    names = lambda vs: [v.name for v in vs]  # noqa: E731
+    assert names(isa.choose("auto", AVX512_CPU, "x86_64")) == ["avx512", "avx2", "baseline"]
+    assert names(isa.choose("auto", AVX2_CPU, "x86_64")) == ["avx2", "baseline"]
+    assert names(isa.choose("auto", frozenset(), "x86_64")) == ["baseline"]
+    assert names(isa.choose("auto", frozenset({"asimd", "fp"}), "aarch64")) == ["baseline"]
+    assert names(isa.choose("avx2", AVX512_CPU, "x86_64")) == ["avx2"]
+    assert names(isa.choose("baseline", AVX2_CPU, "x86_64")) == ["baseline"]
+    with pytest.raises(ValueError, match=r"'avx512': this CPU lacks avx512bw avx512dq avx512f avx512vl; "
+                                         r"it can use: auto, avx2, baseline"):
+        isa.choose("avx512", AVX2_CPU, "x86_64")
+    with pytest.raises(ValueError, match=r"'avx2' is not a kernel variant .* this CPU can use: auto, baseline"):
+        isa.choose("avx2", frozenset({"asimd"}), "aarch64")
+    with pytest.raises(ValueError, match=r"'sse9' is not a kernel variant"):
+        isa.choose("sse9", AVX512_CPU, "x86_64")
+    for v in isa.variants("x86_64"):  # a cached build must run on any CPU with the variant's flags
+        assert not any("march" in f or "native" in f for f in kernels._cflags(v))
+
+
+@pytest.mark.skipif(ops is None or "avx512" in kernels.runnable_isas(), reason="no compiler, or built and "
+                    "tested above on this AVX-512 CPU")
+def test_avx512_variant_compiles_without_the_cpu(tmp_path) -> None:
+    # The AVX-512 paths (attention tile, block GEMM) must compile on a build machine that cannot run them;
+    # only the files with such paths, without code generation, to keep it to seconds.
+    csrc = [s for s in kernels._SOURCES if s.endswith(("paged_attention.cpp", "quant_gemm.cpp"))]
+    kernels.syntax_check("avx512", csrc)
+    broken = tmp_path / "broken.cpp"  # and the check can fail
+    broken.write_text("#include <immintrin.h>\n__m512 f(__m512 a) { return _mm512_no_such_intrinsic(a); }\n")
+    with pytest.raises(RuntimeError, match="avx512 variant does not compile"):
+        kernels.syntax_check("avx512", [str(broken)])
+
+
+def test_baseline_equals_chosen_variant() -> None:
+    # The portable build computes what this CPU's variant computes (the same sources, other vector code).
+    if len(ISAS) < 2:
+        pytest.skip("this CPU runs only the baseline variant, or no kernels")
+    chosen, base = kernels.load_isa(ISAS[0]), kernels.load_isa("baseline")
+    gen = torch.Generator().manual_seed(3)
+    x, w = torch.randn(5, 256, generator=gen), torch.randn(256, generator=gen)
+    torch.testing.assert_close(chosen.rms_norm(x, w, 1e-5), base.rms_norm(x, w, 1e-5), atol=1e-6, rtol=1e-5)
+    gate_up = torch.randn(7, 2 * 96, generator=gen)
+    torch.testing.assert_close(chosen.silu_and_mul(gate_up), base.silu_and_mul(gate_up), atol=1e-6, rtol=1e-5)
+    from pagedserve.model.layers.linear import find_exact_blocks
+
+    for w in (_q4_1_weights(64, 128), _q8_0_weights(64, 128)):
+        fmt, blocks = find_exact_blocks(w)
+        gemm = "gemm_q4_1" if fmt == "q4_1" else "gemm_q8_0"
+        torch.testing.assert_close(getattr(chosen, gemm)(x[:, :128], *blocks, None),
+                                   getattr(base, gemm)(x[:, :128], *blocks, None), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("isa_name", ISAS)
+def test_variant_library_targets_its_isa(isa_name: str) -> None:
+    variant_lib = kernels.load_isa(isa_name)
+    assert variant_lib.compiled_isa() == isa_name
+    assert variant_lib is getattr(torch.ops, f"pagedserve_{isa_name}")
+
+
+@pytest.mark.skipif(ops is None, reason="CPU kernels could not be built here")
+def test_env_forces_variant(monkeypatch, caplog) -> None:
+    monkeypatch.setattr(kernels, "_state", {})  # a fresh process's choice, restored afterwards
+    monkeypatch.setenv("PAGEDSERVE_CPU_ISA", "baseline")
+    with caplog.at_level("INFO", logger="pagedserve.kernels"):
+        assert kernels.load() is torch.ops.pagedserve_baseline
+    assert kernels.selected_isa() == "baseline"
+    assert "baseline variant (forced by PAGEDSERVE_CPU_ISA)" in caplog.text
+    # Forcing a variant the CPU lacks is a start-up error, not a fallback.
+    monkeypatch.setattr(kernels, "_state", {})
+    monkeypatch.setattr(isa, "cpu_flags", lambda: frozenset())
+    monkeypatch.setenv("PAGEDSERVE_CPU_ISA", "avx2" if "avx2" in ISAS else "sse9")
+    with pytest.raises(ValueError, match="PAGEDSERVE_CPU_ISA="):
+        kernels.load()
+    monkeypatch.setenv("PAGEDSERVE_CPU_ISA", "auto")
+    assert kernels.load() is torch.ops.pagedserve_baseline and kernels.selected_isa() == "baseline"

@@ -13,28 +13,44 @@ Sequences are split by query length:
 
 K/V are gathered through block tables only transiently inside the call; nothing contiguous per request
 outlives it. Loop bounds come from the host lists in the metadata so CUDA never syncs on .item().
+An 8-bit cache (attention/kv_quant.py) is quantized as it is written and dequantized to the query's dtype as
+it is gathered; the attention arithmetic is the same.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from pagedserve.attention import kv_quant
 from pagedserve.attention.metadata import AttentionMetadata
 
 
 def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    num_kv_heads, head_dim = kv_cache.shape[-2:]
-    # kv_cache[i] is a contiguous slice, so the flat view aliases the pool and index_copy_ writes in place.
-    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
-    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+    num_kv_heads, width = kv_cache.shape[-2:]
+    quantized = kv_quant.is_quantized(kv_cache.dtype)
+    for half, x in ((0, key), (1, value)):
+        rows = kv_quant.quantize(x, kv_cache.dtype) if quantized else x.to(kv_cache.dtype)
+        # kv_cache[i] is a contiguous slice, so the flat view aliases the pool and index_copy_ writes in place
+        # (through a byte view: index_copy_ has no float8 kernel).
+        flat = kv_cache[half].view(-1, num_kv_heads, width)
+        if quantized:
+            flat, rows = flat.view(torch.uint8), rows.view(torch.uint8)
+        flat.index_copy_(0, slot_mapping, rows)
 
 
-def gather_kv(kv_cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
-    # block_tables [B, >= num_blocks] -> keys, values [B, num_blocks * block_size, Hkv, D]
+def gather_kv(kv_cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int,
+              dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    # block_tables [B, >= num_blocks] -> keys, values [B, num_blocks * block_size, Hkv, D], dequantized to
+    # `dtype` (the query's) when the cache holds another type (8-bit codes, or bf16 under an fp32 model).
     blocks = block_tables[:, :num_blocks]
-    batch, (block_size, num_kv_heads, head_dim) = blocks.shape[0], kv_cache.shape[2:]
-    shape = (batch, num_blocks * block_size, num_kv_heads, head_dim)
-    return kv_cache[0][blocks].view(shape), kv_cache[1][blocks].view(shape)
+    batch, (block_size, num_kv_heads, width) = blocks.shape[0], kv_cache.shape[2:]
+    shape = (batch, num_blocks * block_size, num_kv_heads, width)
+    keys, values = kv_cache[0][blocks].view(shape), kv_cache[1][blocks].view(shape)
+    if kv_quant.is_quantized(kv_cache.dtype):
+        keys, values = kv_quant.dequantize(keys, dtype), kv_quant.dequantize(values, dtype)
+    elif dtype is not None and keys.dtype != dtype:
+        keys, values = keys.to(dtype), values.to(dtype)
+    return keys, values
 
 
 class ReferenceAttentionBackend:
@@ -64,7 +80,7 @@ class ReferenceAttentionBackend:
 
     def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                 decode_ids: list[int], query_starts: list[int], scale: float, out: torch.Tensor) -> None:
-        block_size, num_kv_heads, head_dim = kv_cache.shape[2:]
+        block_size, num_kv_heads, head_dim = kv_cache.shape[2], kv_cache.shape[3], query.shape[-1]
         max_len = max(meta.seq_lens_list[i] for i in decode_ids)
         num_blocks = -(-max_len // block_size)
         all_decode = len(decode_ids) == meta.num_seqs
@@ -75,7 +91,7 @@ class ReferenceAttentionBackend:
             tok_idx = torch.tensor([query_starts[i] for i in decode_ids], device=query.device)
             q, block_tables, seq_lens = query[tok_idx], meta.block_tables[seq_idx], meta.seq_lens[seq_idx]
         batch, num_heads = q.shape[0], q.shape[1]
-        keys, values = gather_kv(kv_cache, block_tables, num_blocks)  # [B, L, Hkv, D]
+        keys, values = gather_kv(kv_cache, block_tables, num_blocks, query.dtype)  # [B, L, Hkv, D]
         # GQA: query head h reads kv head h // group, so [B, Hq, D] -> [B, Hkv, group, D] treats the group
         # as SDPA's "query length" axis; no K/V repeat is materialized.
         q = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
@@ -96,7 +112,7 @@ class ReferenceAttentionBackend:
                      scale: float) -> torch.Tensor:
         block_size = kv_cache.shape[2]
         q_len = q.shape[0]
-        keys, values = gather_kv(kv_cache, block_table[None], -(-seq_len // block_size))
+        keys, values = gather_kv(kv_cache, block_table[None], -(-seq_len // block_size), q.dtype)
         keys, values = keys[0, :seq_len].transpose(0, 1)[None], values[0, :seq_len].transpose(0, 1)[None]
         q = q.transpose(0, 1)[None]  # [1, Hq, q_len, D]
         if q_len == seq_len and self.sliding_window is None:  # SDPA's top-left causal mask is exactly right

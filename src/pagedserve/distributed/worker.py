@@ -43,6 +43,7 @@ def run_worker(rank: int, config: EngineConfig, init_method: str, conn: Connecti
 
 
 def _serve(rank: int, config: EngineConfig, init_method: str, conn: Connection) -> None:
+    from pagedserve.attention.kv_quant import storage_dtype
     from pagedserve.model.loader import load_model
     from pagedserve.worker.kv_cache import allocate_host_caches, allocate_kv_caches
     from pagedserve.worker.model_runner import ModelRunner
@@ -55,7 +56,7 @@ def _serve(rank: int, config: EngineConfig, init_method: str, conn: Connection) 
     runner = None
     try:
         loaded = load_model(config.model.model, device, getattr(torch, config.model.dtype),
-                            config.model.attention_backend, config.model.tokenizer, tp=tp)
+                            config.model.attention_backend, config.model.tokenizer, "none", tp=tp)
     except Exception as exc:  # noqa: BLE001 (rank 0 hits the same error and reports it)
         conn.send(("error", describe(exc)))
         return
@@ -68,7 +69,8 @@ def _serve(rank: int, config: EngineConfig, init_method: str, conn: Connection) 
             if method == "init_cache":
                 # rank 0 sized the pool; every rank holds the same block count, each with its KV heads.
                 resolved, num_blocks, num_host_blocks = args
-                hf, bs, dtype = loaded.hf_config, resolved.cache.block_size, getattr(torch, resolved.model.dtype)
+                hf, bs = loaded.hf_config, resolved.cache.block_size
+                dtype = storage_dtype(resolved.cache.cache_dtype)  # the KV storage type rank 0 resolved
                 num_kv_heads = hf.num_key_value_heads // world_size
                 head_dim = loaded.model.head_dim
                 kv = allocate_kv_caches(hf.num_hidden_layers, num_blocks, bs, num_kv_heads, head_dim, dtype, device)

@@ -9,9 +9,10 @@ import argparse
 from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
-from pagedserve.config import (ATTENTION_BACKENDS, CHUNKED_PREFILL_BATCHED_TOKENS, DTYPES, CacheConfig,
-                               DeviceConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig,
-                               SpeculativeConfig, StructuredOutputsConfig)
+from pagedserve.config import (ATTENTION_BACKENDS, CHUNKED_PREFILL_BATCHED_TOKENS, DTYPES, QUANTIZATIONS,
+                               CacheConfig, DeviceConfig, EngineConfig, ModelConfig, ParallelConfig,
+                               SchedulerConfig, SpeculativeConfig, StructuredOutputsConfig)
+from pagedserve.kv_dtypes import KV_CACHE_DTYPES
 
 
 def _default(cls: type, name: str) -> Any:
@@ -30,6 +31,7 @@ class EngineArgs:
     seed: int = _default(ModelConfig, "seed")
     chat_template: str | None = _default(ModelConfig, "chat_template")
     attention_backend: str = _default(ModelConfig, "attention_backend")
+    quantization: str | None = _default(ModelConfig, "quantization")
     block_size: int = _default(CacheConfig, "block_size")
     kv_cache_memory_bytes: int | None = _default(CacheConfig, "kv_cache_memory_bytes")
     kv_cache_fraction: float = _default(CacheConfig, "kv_cache_fraction")
@@ -37,6 +39,7 @@ class EngineArgs:
     enable_prefix_caching: bool = _default(CacheConfig, "enable_prefix_caching")
     swap_space: float = _default(CacheConfig, "swap_space_gib")  # GiB, as vLLM's swap_space
     preemption_mode: str = _default(CacheConfig, "preemption_mode")
+    kv_cache_dtype: str = _default(CacheConfig, "cache_dtype")
     max_num_seqs: int = _default(SchedulerConfig, "max_num_seqs")
     max_num_batched_tokens: int | None = _default(SchedulerConfig, "max_num_batched_tokens")
     enable_chunked_prefill: bool = _default(SchedulerConfig, "enable_chunked_prefill")
@@ -58,12 +61,16 @@ class EngineArgs:
                        help="Hugging Face tokenizer directory (default: the model's own)")
         g.add_argument("--max-model-len", type=int, default=d.max_model_len,
                        help="context length, prompt + output (default: the model's, capped to the KV cache)")
-        g.add_argument("--dtype", choices=DTYPES, default=d.dtype)
+        g.add_argument("--dtype", choices=DTYPES, default=d.dtype,
+                       help="auto: bfloat16 on CUDA and on CPUs with AMX or AVX512-BF16, else float32")
         g.add_argument("--seed", type=int, default=d.seed, help="engine seed for unseeded sampling")
         g.add_argument("--chat-template", default=d.chat_template, metavar="FILE",
                        help="Jinja chat template (file or text) overriding the model's")
         g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=d.attention_backend,
                        help="auto: the compiled CPU kernel on CPU when it builds, else the pure-torch reference")
+        g.add_argument("--quantization", "-q", choices=QUANTIZATIONS, default=d.quantization,
+                       help="gguf: GGUF weights stay Q4_1/Q8_0 blocks (default for GGUF files); int8: weight-only "
+                            "int8 for float checkpoints; none: dequantized weights")
         g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
         mem = g.add_mutually_exclusive_group()
         mem.add_argument("--kv-cache-memory", "--kv-cache-memory-bytes", dest="kv_cache_memory_bytes", type=int,
@@ -77,6 +84,9 @@ class EngineArgs:
         g.add_argument("--swap-space", type=float, default=d.swap_space, metavar="GiB",
                        help="host memory for swapped-out KV blocks (preemption mode 'swap')")
         g.add_argument("--preemption-mode", choices=["recompute", "swap"], default=d.preemption_mode)
+        g.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, metavar="{" + ",".join(KV_CACHE_DTYPES) + "}",
+                       help="KV cache element type; auto: the model's dtype. fp8_e4m3 and int8 store 1 byte per "
+                            "element plus a scale per token and head (bytes per token in the start-up log)")
         g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="requests per step")
         g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
                        help=f"tokens per step (default: {CHUNKED_PREFILL_BATCHED_TOKENS}, or max_model_len "
@@ -110,10 +120,10 @@ class EngineArgs:
             scheduler.check_fits(self.max_model_len)
         return EngineConfig(
             model=ModelConfig(self.model, self.tokenizer, self.max_model_len, self.dtype, self.seed,
-                              self.chat_template, self.attention_backend),
+                              self.chat_template, self.attention_backend, self.quantization),
             cache=CacheConfig(self.block_size, self.kv_cache_memory_bytes, self.kv_cache_fraction,
                               self.num_gpu_blocks_override, self.enable_prefix_caching, self.swap_space,
-                              self.preemption_mode),
+                              self.preemption_mode, self.kv_cache_dtype),
             scheduler=scheduler,
             device=DeviceConfig(self.device, self.num_threads),
             speculative=SpeculativeConfig.parse(self.speculative_config),

@@ -117,6 +117,8 @@ class AsyncLLMEngine:
         self.max_model_len: int = core.max_model_len
         self.num_kv_blocks: int = core.num_kv_blocks
         self.block_size: int = core.config.cache.block_size
+        self.kv_cache_dtype: str = core.config.cache.cache_dtype
+        self.kv_bytes_per_token: int = core.kv_bytes_per_token
         self.processor = Processor(core.loaded, core.config.model, core.max_model_len,
                                    core.config.structured_outputs)
         self.tokenizer = self.processor.tokenizer

@@ -12,6 +12,7 @@ and only the requests that still raise are failed (with the error in their Engin
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -29,6 +30,9 @@ from pagedserve.distributed.executor import DistributedRunner
 from pagedserve.distributed.parallel_state import rank_device, threads_per_rank
 from pagedserve.engine.output_stream import EngineDeadError
 from pagedserve.metrics.stats import EngineStats, RequestStats
+from pagedserve import kv_dtypes
+from pagedserve.attention.kv_quant import storage_dtype
+from pagedserve.model.dtypes import resolve_dtype
 from pagedserve.model.loader import load_model
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.spec_decode.proposer import make_proposer
@@ -90,6 +94,17 @@ class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         device = torch.device(config.device.resolve())
+        # dtype and KV dtype are resolved here, before any rank starts, so every rank builds the same model.
+        dtype, why = resolve_dtype(config.model.dtype, device)
+        dtype_name = str(dtype).removeprefix("torch.")
+        logger.info("model dtype %s (%s)", dtype_name, why)
+        kv_name = kv_dtypes.resolve(config.cache.cache_dtype, dtype_name)
+        storage_dtype(kv_name)  # ValueError naming the flag where this torch lacks the type
+        if config.cache.cache_dtype not in ("auto", "float32") and config.model.attention_backend == "cpu":
+            raise ValueError(f"--kv-cache-dtype {kv_name} needs --attention-backend auto or reference: the "
+                             "compiled 'cpu' backend reads float32 caches only")
+        config = self.config = dataclasses.replace(config, model=dataclasses.replace(config.model, dtype=dtype_name),
+                                                   cache=dataclasses.replace(config.cache, cache_dtype=kv_name))
         tp_size = config.parallel.tensor_parallel_size
         # Ranks 1..N-1 run in their own processes (distributed/); None when the model runs here alone.
         if tp_size > 1:
@@ -106,9 +121,14 @@ class EngineCore:
         if config.device.num_threads or tp_size > 1:
             torch.set_num_threads(threads_per_rank(config.device.num_threads, tp_size))
         dtype = getattr(torch, config.model.dtype)
+        kv_name = config.cache.cache_dtype
+        kv_dtype = storage_dtype(kv_name)
         t0 = time.perf_counter()
         loaded = load_model(config.model.model, device, dtype, config.model.attention_backend,
-                            config.model.tokenizer, tp=self.executor.tp if self.executor else None)
+                            config.model.tokenizer, config.model.quantization,
+                            tp=self.executor.tp if self.executor else None)
+        config = self.config = dataclasses.replace(
+            config, model=dataclasses.replace(config.model, quantization=loaded.quantization))
         if self.executor:
             self.executor.wait_loaded()
         # The core never reads text; the front-end takes the loaded tokenizer and template from here.
@@ -118,13 +138,16 @@ class EngineCore:
         num_kv_heads = hf.num_key_value_heads // tp_size  # each rank holds its KV heads of every block
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         bs = config.cache.block_size
-        num_blocks = plan_num_blocks(config.cache, hf.num_hidden_layers, num_kv_heads, head_dim, dtype, device)
+        self.kv_bytes_per_token = kv_dtypes.bytes_per_token(kv_name, hf.num_hidden_layers, num_kv_heads, head_dim)
+        logger.info("KV cache dtype %s: %d bytes per token (float32: %d)", kv_name, self.kv_bytes_per_token,
+                    kv_dtypes.bytes_per_token("float32", hf.num_hidden_layers, num_kv_heads, head_dim))
+        num_blocks = plan_num_blocks(config.cache, hf.num_hidden_layers, num_kv_heads, head_dim, kv_dtype, device)
         # max_model_len and the token budget are final only now: checked against the model and the pool.
         config = self.config = resolve_limits(config, loaded.max_model_len, num_blocks)
         max_len = self.max_model_len = config.model.max_model_len
-        kv_caches = allocate_kv_caches(hf.num_hidden_layers, num_blocks, bs, num_kv_heads, head_dim, dtype,
+        kv_caches = allocate_kv_caches(hf.num_hidden_layers, num_blocks, bs, num_kv_heads, head_dim, kv_dtype,
                                        device)
-        per_block = kv_bytes_per_block(hf.num_hidden_layers, bs, num_kv_heads, head_dim, dtype)
+        per_block = kv_bytes_per_block(hf.num_hidden_layers, bs, num_kv_heads, head_dim, kv_dtype)
         num_host_blocks = int(config.cache.swap_space_gib * (1 << 30)) // per_block
         if config.cache.preemption_mode == "swap" and num_host_blocks == 0:
             raise ValueError("preemption_mode='swap' needs swap_space > 0 (GiB of host memory)")
@@ -136,7 +159,7 @@ class EngineCore:
         self.structured_output = self.runner.structured_output = StructuredOutputManager(hf.vocab_size)
         if num_host_blocks:
             self.runner.host_caches = allocate_host_caches(hf.num_hidden_layers, num_host_blocks, bs,
-                                                           num_kv_heads, head_dim, dtype, device)
+                                                           num_kv_heads, head_dim, kv_dtype, device)
         if self.executor:
             self.executor.init_cache(config, num_blocks, num_host_blocks)
             self.runner = DistributedRunner(self.runner, self.executor)

@@ -1,24 +1,31 @@
 """Compiled CPU kernels (csrc/*.cpp), built on first use with torch.utils.cpp_extension and cached.
 
-`load()` returns torch.ops.pagedserve once the library is loaded, or None when it cannot be (no C++
-compiler, no ninja, a toolchain problem, or PAGEDSERVE_KERNELS=0): callers then take their pure-torch
-path, which is also the oracle the kernels are tested against. The build lives under the pagedserve cache
-directory, keyed by the sources, the torch install and the CPU flags (it is built with -march=native), so a
-second process loads it in milliseconds; concurrent first builds are serialized by cpp_extension's lock.
-`scripts/setup` builds it once so the first engine start does not pay the ~10-30 s compile.
+`load()` returns the op namespace of the ISA variant this process runs (torch.ops.pagedserve_avx512, ...;
+see isa.py) once its library is loaded, or None when it cannot be (no C++ compiler, no ninja, a toolchain
+problem, or PAGEDSERVE_KERNELS=0): callers then take their pure-torch path, which is also the oracle the
+kernels are tested against. The variant is chosen once per process from this CPU's flags, best first
+(PAGEDSERVE_CPU_ISA forces one; forcing one the CPU cannot run raises ValueError), and logged;
+`selected_isa()` names it. Each variant's build lives under the pagedserve cache directory, keyed by the
+sources, the torch install and the variant's flags, never by the CPU that built it, so a cache can move
+between machines; a second process loads it in milliseconds, and concurrent first builds are serialized by
+cpp_extension's lock. Variants are built lazily, only when loaded: `scripts/setup` builds the chosen one and
+`baseline` (what the tests compare; about two minutes each on two busy cores), so the first engine start and
+the tests do not pay the compile. A variant this CPU cannot run is never built here; `syntax_check` still
+compiles its sources (without code generation) so CI on any x86 machine catches a broken AVX-512 path.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
-import platform
 import sys
 import threading
 
 import torch
 
 from pagedserve import envs
+from pagedserve.kernels import isa
 
 logger = logging.getLogger(__name__)
 
@@ -29,43 +36,41 @@ _SOURCES = [os.path.join(os.path.dirname(__file__), "csrc", name)
 # -fopenmp: at::parallel_for is a header template that only goes parallel when compiled with OpenMP. The
 # extension then needs libgomp.so.1, which resolves to the copy torch already loaded (same soname), so
 # there is one OpenMP runtime and one thread pool in the process.
-_CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-DNDEBUG"]
+_CFLAGS = ["-O3", "-ffast-math", "-fopenmp", "-DNDEBUG"]
 _LDFLAGS = ["-fopenmp"]
 _lock = threading.Lock()
-_state: dict[str, object] = {}
+_state: dict[str, object] = {}  # "ops" (namespace or None) and "isa" (name or None): this process's choice
+_variant_ops: dict[str, object] = {}  # variant name -> its loaded op namespace
 
 
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return line
-    except OSError:
-        pass
-    return platform.processor()
+def _cflags(variant: isa.Variant) -> list[str]:
+    return [*_CFLAGS, *variant.cflags, f"-DPAGEDSERVE_OPS_NS={variant.namespace}"]
 
 
-def _build_dir() -> str:
-    # One build per torch install (it links that install's libraries) and CPU (-march=native).
-    h = hashlib.sha256(f"{torch.__version__}|{torch.__file__}|{sys.version}|{_cpu_flags()}|{_CFLAGS}|{_LDFLAGS}"
-                       .encode())
+def _build_dir(variant: isa.Variant) -> str:
+    # One build per torch install (it links that install's libraries) and variant.
+    h = hashlib.sha256(f"{torch.__version__}|{torch.__file__}|{sys.version}|{_cflags(variant)}|{_LDFLAGS}".encode())
     csrc = os.path.dirname(_SOURCES[0])
     for name in sorted(os.listdir(csrc)):  # sources and headers
         with open(os.path.join(csrc, name), "rb") as f:
             h.update(f.read())
-    key = h.hexdigest()[:16]
-    return os.path.join(envs.cache_dir(), "kernels", key)
+    return os.path.join(envs.cache_dir(), "kernels", f"{variant.name}-{h.hexdigest()[:16]}")
 
 
 def load():
-    """torch.ops.pagedserve with the kernels registered, or None (see module doc)."""
+    """This process's op namespace with the kernels registered, or None (see module doc)."""
     if "ops" in _state:
         return _state["ops"]
     with _lock:
         if "ops" not in _state:
-            _state["ops"] = _load_uncached()
+            _state["isa"], _state["ops"] = _load_uncached()
     return _state["ops"]
+
+
+def selected_isa() -> str | None:
+    # The variant load() chose ("avx512", "avx2", "baseline"), or None when the kernels are off or unavailable.
+    load()
+    return _state["isa"]
 
 
 def fast_paths_enabled() -> bool:
@@ -74,23 +79,110 @@ def fast_paths_enabled() -> bool:
     return envs.kernels_enabled()
 
 
-def _load_uncached():
+def _load_uncached() -> tuple[str | None, object]:
     if not fast_paths_enabled():
-        return None
-    try:
-        from torch.utils.cpp_extension import load as cpp_load
+        return None, None
+    requested = envs.cpu_isa()
+    candidates = isa.choose(requested)  # raises on a forced variant this CPU cannot run
+    for variant in candidates:
+        try:
+            ops = _load_variant(variant)
+        except Exception as e:  # no compiler / ninja / headers / -m flag: the next variant, else torch
+            logger.warning("pagedserve CPU kernels: the %s variant is unavailable: %s", variant.name, e)
+            continue
+        how = "forced by PAGEDSERVE_CPU_ISA" if requested != isa.AUTO else "the best this CPU runs"
+        logger.info("pagedserve CPU kernels: %s variant (%s)", variant.name, how)
+        return variant.name, ops
+    logger.warning("pagedserve CPU kernels unavailable, using the pure-torch paths")
+    return None, None
 
-        build_dir = _build_dir()
-        os.makedirs(build_dir, exist_ok=True)
-        _remove_stale_lock(os.path.join(build_dir, "lock"))
-        cpp_load(name="pagedserve_cpu_ops", sources=_SOURCES, build_directory=build_dir, extra_cflags=_CFLAGS,
-                 extra_ldflags=_LDFLAGS, is_python_module=False, verbose=False)
-        ops = torch.ops.pagedserve
-        ops.paged_attention, ops.rms_norm  # noqa: B018  (raises if registration failed)
-        return ops
-    except Exception as e:  # no compiler / ninja / headers: the pure-torch paths still work
-        logger.warning("pagedserve CPU kernels unavailable, using the pure-torch paths: %s", e)
-        return None
+
+def _load_variant(variant: isa.Variant):
+    if variant.name in _variant_ops:
+        return _variant_ops[variant.name]
+    from torch.utils.cpp_extension import load as cpp_load
+
+    build_dir = _build_dir(variant)
+    os.makedirs(build_dir, exist_ok=True)
+    _remove_stale_lock(os.path.join(build_dir, "lock"))
+    cpp_load(name=f"pagedserve_cpu_ops_{variant.name}", sources=_SOURCES, build_directory=build_dir,
+             extra_cflags=_cflags(variant), extra_ldflags=_LDFLAGS, is_python_module=False, verbose=False)
+    ops = getattr(torch.ops, variant.namespace)
+    ops.paged_attention, ops.rms_norm  # noqa: B018  (raises if registration failed)
+    if ops.compiled_isa() != variant.name:
+        raise RuntimeError(f"the {variant.name} build targets {ops.compiled_isa()}; flags {_cflags(variant)}")
+    _variant_ops[variant.name] = ops
+    return ops
+
+
+def load_isa(name: str):
+    """The op namespace of variant `name`, built if needed; ValueError when this CPU cannot run it."""
+    (variant,) = isa.choose(name)
+    with _lock:
+        return _load_variant(variant)
+
+
+def runnable_isas() -> list[str]:
+    # Every variant this CPU runs, best first.
+    return [v.name for v in isa.runnable()]
+
+
+def parity_isas() -> list[str]:
+    # The variants the parity tests run: this process's choice and the portable baseline, so CI builds at
+    # most two libraries (each costs minutes); PAGEDSERVE_TEST_ALL_ISAS=1 adds every other runnable one.
+    chosen = selected_isa()
+    if chosen is None:
+        return []
+    if envs.all_isas_in_tests():
+        return runnable_isas()
+    return list(dict.fromkeys([chosen, isa.BASELINE.name]))
+
+
+def syntax_check(name: str, sources: list[str]) -> None:
+    """Compiles `sources` as one translation unit with variant `name`'s flags but without code generation
+    (-fsyntax-only; torch's headers parsed once: seconds), on any CPU; raises RuntimeError with the compiler's
+    errors. For variants this CPU cannot run. The sources must not define the same names twice."""
+    import subprocess
+    import sysconfig
+    import tempfile
+
+    from torch.utils.cpp_extension import include_paths
+
+    variant = {v.name: v for v in isa.variants()}[name]
+    includes = [f"-I{p}" for p in [*include_paths(), sysconfig.get_paths()["include"]]]
+    with tempfile.NamedTemporaryFile("w", suffix=".cpp") as unit:
+        unit.write("".join(f'#include "{os.path.abspath(src)}"\n' for src in sources))
+        unit.flush()
+        proc = subprocess.run([os.environ.get("CXX", "c++"), "-std=c++20", "-fsyntax-only", "-w",
+                               *_cflags(variant), *includes, unit.name], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the {name} variant does not compile:\n{proc.stderr[-4000:]}")
+
+
+@contextlib.contextmanager
+def use_isa(name: str):
+    # Runs this process's kernel calls (load(), ops_for()) on variant `name` inside the block, then restores
+    # the process's own choice. For tests that compare variants in one process; the engine never switches.
+    ops = load_isa(name)
+    saved = dict(_state)
+    _state.update(ops=ops, isa=name)
+    try:
+        yield ops
+    finally:
+        _state.clear()
+        _state.update(saved)
+
+
+def prebuild() -> list[str]:
+    # Builds (and loads) the variants the engine and the tests use; scripts/setup calls it. Returns their names.
+    built = []
+    for name in parity_isas():
+        try:
+            load_isa(name)
+            built.append(name)
+        except Exception as e:
+            logger.warning("pagedserve CPU kernels: the %s variant did not build: %s", name, e)
+    return built
 
 
 def _remove_stale_lock(path: str, max_age_s: float = 600.0) -> None:

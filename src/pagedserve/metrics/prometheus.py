@@ -107,8 +107,9 @@ class _SnapshotCollector:
         if snap.spec is not None:
             yield from _spec_decode_metrics(p, self.model_name, snap.spec)
         info = GaugeMetricFamily(f"{p}:cache_config_info", "Information of the KV cache configuration.",
-                                 labels=["block_size", "num_gpu_blocks"])
-        info.add_metric([str(self.engine.block_size), str(self.engine.num_kv_blocks)], 1)
+                                 labels=["block_size", "num_gpu_blocks", "cache_dtype", "kv_bytes_per_token"])
+        info.add_metric([str(self.engine.block_size), str(self.engine.num_kv_blocks), self.engine.kv_cache_dtype,
+                         str(self.engine.kv_bytes_per_token)], 1)
         yield info
 
 

@@ -30,6 +30,7 @@ from pagedserve.model.layers.linear import (Linear, find_exact_blocks, pack_line
 from pagedserve.model.layers.norm import RMSNorm
 from pagedserve.model.layers.parallel import embedding, gather_logits, row_linear
 from pagedserve.model.layers.rotary import RotaryEmbedding
+from pagedserve.model.weight_quant import block_logits
 
 # HF shard name -> (fused param name, shard index)
 _STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -192,6 +193,8 @@ class LlamaForCausalLM(nn.Module):
         logits = quant_linear(hidden, self._lm_head_blocks)
         if logits is not None:
             return logits
+        if weight is None:  # blocks only (--quantization, model/weight_quant.py)
+            return block_logits(hidden, self._lm_head_blocks)
         if self._lm_head_packed is None:
             return F.linear(hidden, weight)
         return packed_linear(hidden, weight, self._lm_head_packed)

@@ -30,6 +30,7 @@ from pagedserve import envs
 from pagedserve.attention.backend import get_attention_backend
 from pagedserve.model.layers.parallel import shard_config, shard_weights
 from pagedserve.model.registry import get_model_class, resolve_architecture
+from pagedserve.model.weight_quant import apply_quantization, resolve_quantization
 
 if TYPE_CHECKING:
     from pagedserve.distributed.parallel_state import TensorParallelGroup
@@ -61,6 +62,7 @@ class LoadedModel:
     eos_token_ids: list[int]
     max_model_len: int
     model_name: str
+    quantization: str = "none"  # what --quantization resolved to (model/weight_quant.py)
 
 
 def default_model_path() -> str:
@@ -77,8 +79,10 @@ def default_model_path() -> str:
 
 def load_model(path: str | None = None, device: str | torch.device = "cpu",
                dtype: torch.dtype | str = torch.float32, attn_backend: str = "reference",
-               tokenizer: str | None = None, tp: TensorParallelGroup | None = None) -> LoadedModel:
+               tokenizer: str | None = None, quantization: str | None = "none",
+               tp: TensorParallelGroup | None = None) -> LoadedModel:
     # tokenizer: a Hugging Face tokenizer directory used instead of the model's own tokenizer.
+    # quantization: --quantization (model/weight_quant.py); None picks gguf for GGUF files where it runs.
     # tp: load this rank's slice of the model (tensor parallelism); hf_config stays the whole model's.
     device, dtype = torch.device(device), _as_dtype(dtype)
     if tokenizer is not None:
@@ -87,7 +91,18 @@ def load_model(path: str | None = None, device: str | torch.device = "cpu",
             raise ValueError(f"tokenizer path is not a directory: {tokenizer} (expected a Hugging Face "
                              "tokenizer directory with tokenizer.json)")
     model_dir, name = resolve_model_dir(path)
-    return _load_hf_dir(model_dir, name, device, dtype, attn_backend, tokenizer, tp)
+    is_gguf = not os.path.isdir(default_model_path() if path is None else os.path.expanduser(str(path)))
+    method = resolve_quantization(quantization, is_gguf, dtype, device)
+    if tp is not None and method != "none":
+        # The block kernels take whole weights; a rank's slice stays dense until they learn shards.
+        if quantization is not None:
+            raise ValueError(f"--quantization {method} does not work with --tensor-parallel-size > 1 yet; "
+                             "valid values with tensor parallelism: none")
+        method = "none"
+    loaded = _load_hf_dir(model_dir, name, device, dtype, attn_backend, tokenizer, tp)
+    apply_quantization(loaded.model, method)
+    loaded.quantization = method
+    return loaded
 
 
 def resolve_model_dir(path: str | None) -> tuple[str, str]:

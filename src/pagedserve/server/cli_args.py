@@ -109,8 +109,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         name = (args.served_model_name or [args.model or engine.model_name])[0]
         logger.info("model: %s (served as %r, max_model_len %d)", args.model or engine.model_name, name,
                     engine.max_model_len)
-        logger.info("KV cache: %d blocks x %d tokens = %d tokens", engine.num_kv_blocks, engine.block_size,
-                    engine.num_kv_blocks * engine.block_size)
+        logger.info("KV cache: %d blocks x %d tokens = %d tokens, %s, %d bytes per token", engine.num_kv_blocks,
+                    engine.block_size, engine.num_kv_blocks * engine.block_size, engine.kv_cache_dtype,
+                    engine.kv_bytes_per_token)
         logger.info("serving at http://%s:%d  (OpenAI base_url http://%s:%d/v1)%s", args.host, args.port,
                     args.host, args.port, "; API key required" if args.api_key else "")
         exit_code = run_server(engine, args)

@@ -2,31 +2,35 @@
 
 Index 0 holds keys, 1 values. Flat slot s = block_id * block_size + offset addresses one token's K/V, so
 `cache[0].view(-1, num_kv_heads, head_dim)[s]` is that token's key. Block ids come from the scheduler's
-block pool; this module only owns the memory.
+block pool; this module only owns the memory. An 8-bit cache (--kv-cache-dtype int8 / fp8_e4m3) is
+allocated with its storage dtype and rows of head_dim + 4 elements, the last 4 a float32 scale
+(attention/kv_quant.py); block copies move scales with their rows.
 """
 from __future__ import annotations
 
 import torch
 
+from pagedserve.attention.kv_quant import row_width
+
 
 def kv_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
                        dtype: torch.dtype) -> int:
     elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * num_layers * block_size * num_kv_heads * head_dim * elem
+    return 2 * num_layers * block_size * num_kv_heads * row_width(dtype, head_dim) * elem
 
 
 def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                        head_dim: int, dtype: torch.dtype, device: str | torch.device) -> list[torch.Tensor]:
-    return [torch.zeros(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
-            for _ in range(num_layers)]
+    return [torch.zeros(2, num_blocks, block_size, num_kv_heads, row_width(dtype, head_dim), dtype=dtype,
+                        device=device) for _ in range(num_layers)]
 
 
 def allocate_host_caches(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                          dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
     # The swap pool lives in host memory; pinned when the device is a GPU so copies run asynchronously.
     pin = device.type == "cuda"
-    return [torch.zeros(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, pin_memory=pin)
-            for _ in range(num_layers)]
+    return [torch.zeros(2, num_blocks, block_size, num_kv_heads, row_width(dtype, head_dim), dtype=dtype,
+                        pin_memory=pin) for _ in range(num_layers)]
 
 
 def apply_block_ops(ops, kv_caches: list[torch.Tensor], host_caches: list[torch.Tensor]) -> None:

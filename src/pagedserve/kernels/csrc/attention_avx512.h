@@ -1,5 +1,5 @@
 // AVX-512 tile for head_dim = 16 * NV. Included by attention_tile.h, inside namespace pagedserve, only
-// when the compiler targets AVX-512 (the build uses -march=native).
+// when the compiler targets AVX-512 (the avx512 variant; pagedserve/kernels/isa.py).
 #pragma once
 
 // AVX-512 path for head_dim = 16 * NV. Keys go 16 at a time (one sub-block): the 16 x head_dim key slab

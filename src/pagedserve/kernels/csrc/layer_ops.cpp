@@ -8,11 +8,11 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
-#include <torch/library.h>
 
 #include <cmath>
 
 #include "checks.h"
+#include "ops_library.h"
 
 namespace {
 
@@ -143,7 +143,7 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
+PAGEDSERVE_LIBRARY_FRAGMENT(m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("fused_add_rms_norm_(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
   m.def("rotary_embedding_(Tensor(a!) query, Tensor(b!) key, Tensor positions, Tensor cos_sin) -> ()");

@@ -1,4 +1,4 @@
-// Paged attention for float32 CPU. Registered as torch.ops.pagedserve.* (with layer_ops.cpp); built on first use by
+// Paged attention for float32 CPU. Registered as torch.ops.pagedserve_<isa>.* (ops_library.h); built on first use by
 // pagedserve/kernels/__init__.py through torch.utils.cpp_extension and cached. Threads come from ATen's
 // pool (at::parallel_for), so they follow torch.set_num_threads and never oversubscribe it.
 //
@@ -15,13 +15,13 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <vector>
 
 #include "attention_tile.h"
 #include "checks.h"
+#include "ops_library.h"
 
 namespace {
 
@@ -177,8 +177,9 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key, const
 
 }  // namespace
 
-TORCH_LIBRARY(pagedserve, m) {
+PAGEDSERVE_LIBRARY(m) {
   m.def("paged_attention(Tensor query, Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping, "
         "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale, int max_q_len) -> Tensor");
   m.impl("paged_attention", c10::DispatchKey::CPU, paged_attention);
+  m.def("compiled_isa() -> str", &pagedserve::compiled_isa);
 }

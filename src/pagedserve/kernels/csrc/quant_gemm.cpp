@@ -11,12 +11,12 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <cstdint>
 
 #include "checks.h"
+#include "ops_library.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -144,7 +144,7 @@ at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& qs, const at::Tenso
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
+PAGEDSERVE_LIBRARY_FRAGMENT(m) {
   m.def("gemm_q4_1(Tensor x, Tensor qs, Tensor dm, Tensor? bias) -> Tensor");
   m.def("gemm_q8_0(Tensor x, Tensor qs, Tensor d, Tensor? bias) -> Tensor");
   m.impl("gemm_q4_1", c10::DispatchKey::CPU, quant_gemm<true>);

@@ -5,7 +5,6 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/Half.h>
-#include <torch/library.h>
 
 #include <atomic>
 #include <cmath>
@@ -13,6 +12,7 @@
 #include <tuple>
 
 #include "checks.h"
+#include "ops_library.h"
 
 namespace {
 
@@ -98,7 +98,7 @@ std::tuple<at::Tensor, at::Tensor> find_q8_0(const at::Tensor& w) { return find_
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
+PAGEDSERVE_LIBRARY_FRAGMENT(m) {
   m.def("find_q4_1(Tensor weight) -> (Tensor, Tensor)");
   m.def("find_q8_0(Tensor weight) -> (Tensor, Tensor)");
   m.impl("find_q4_1", c10::DispatchKey::CPU, find_q4_1);

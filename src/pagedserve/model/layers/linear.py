@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve import kernels
+from pagedserve.model.layers.quant import dequantize_blocks
 
 
 def onednn_available() -> bool:
@@ -82,7 +83,11 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = quant_linear(x, self.exact_blocks, self.bias)
-        return y if y is not None else packed_linear(x, self.weight, self.packed_weight, self.bias)
+        if y is not None:
+            return y
+        if self.weight is None:  # blocks only (--quantization, model/weight_quant.py): a transient fp32 copy
+            return F.linear(x, dequantize_blocks(self.exact_blocks), self.bias)
+        return packed_linear(x, self.weight, self.packed_weight, self.bias)
 
 
 def pack_linear_weights(module: nn.Module) -> None:

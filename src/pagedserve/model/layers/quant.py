@@ -84,3 +84,26 @@ def find_q8_0(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         return None
     n, kdim = weight.shape
     return q.reshape(n, kdim).contiguous(), d.reshape(n, kdim // BLOCK).contiguous()
+
+
+def dequantize_blocks(blocks) -> torch.Tensor:
+    """The float32 weights [..., K] that ("q4_1", (qs, dm)) or ("q8_0", (qs, d)) hold (leading dims kept)."""
+    fmt, (qs, scales) = blocks
+    if fmt == "q4_1":
+        # byte j of a block holds q[j] (low nibble) and q[j + 16] (high nibble)
+        b = qs.reshape(*qs.shape[:-1], -1, BLOCK // 2)
+        q = torch.cat((b & 15, b >> 4), dim=-1).float()
+        w = q * scales[..., 0:1] + scales[..., 1:2]
+    else:
+        q = qs.reshape(*qs.shape[:-1], -1, BLOCK).float()
+        w = q * scales[..., None]
+    return w.reshape(*qs.shape[:-1], -1)
+
+
+def quantize_q8_0(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(qs [N, K] int8, d [N, K/32] float32): weight-only int8, one scale per block of 32 inputs (lossy)."""
+    n, k = weight.shape
+    blocks = weight.detach().float().reshape(n, k // BLOCK, BLOCK)
+    d = blocks.abs().amax(-1) / 127
+    q = torch.round(blocks / d.clamp(min=1e-30)[..., None]).clamp(-127, 127).to(torch.int8)
+    return q.reshape(n, k).contiguous(), d.contiguous()

@@ -1,0 +1,141 @@
+"""`--quantization`: weights that stay quantized in memory, one resident copy each.
+
+    gguf  (the default for GGUF files) every weight that is exactly Q4_1 / Q8_0 blocks (layers/quant.py finds
+          them in the dequantized checkpoint) keeps only its block copy: the fp32 tensor and the oneDNN-packed
+          copy are freed. Up to QUANT_MAX_TOKENS rows multiply through the block kernels; larger batches
+          dequantize one layer's weight into a transient fp32 tensor for that call. The embedding (and the tied
+          LM head) reads rows / multiplies from the blocks too. Tensors of other GGUF types stay fp32.
+    int8  weight-only int8 for float32 / bfloat16 Hugging Face checkpoints: each weight is quantized at load
+          into Q8_0 blocks (int8 codes with one float32 scale per 32 inputs, finer than per channel) and runs
+          through the same kernels.
+    none  dequantized fp32 (or --dtype) weights, as loaded.
+
+The block kernels take float32 activations, so gguf and int8 need --dtype float32 and the compiled kernels;
+asking for them otherwise is a start-up error naming the flag. Leaving --quantization unset never fails: it
+falls back to none where blocks cannot run.
+"""
+from __future__ import annotations
+
+import gc
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedserve import kernels
+from pagedserve.config import QUANTIZATIONS
+from pagedserve.model.layers.linear import Linear
+from pagedserve.model.layers.quant import BLOCK, dequantize_blocks, quantize_q8_0
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_quantization(requested: str | None, is_gguf: bool, dtype: torch.dtype, device: torch.device) -> str:
+    runnable = dtype == torch.float32 and device.type == "cpu" and kernels.load() is not None
+    if requested is None:
+        return "gguf" if is_gguf and runnable else "none"
+    if requested not in QUANTIZATIONS:
+        raise ValueError(f"--quantization {requested!r} is not supported; valid values: {', '.join(QUANTIZATIONS)}")
+    valid = ", ".join(["gguf" if is_gguf else "int8", "none"] if runnable else ["none"])
+    if requested == "gguf" and not is_gguf:
+        raise ValueError(f"--quantization gguf needs a GGUF file; for this model use one of: {valid}")
+    if requested == "int8" and is_gguf:
+        raise ValueError(f"--quantization int8 quantizes float Hugging Face checkpoints, not a GGUF file; for this "
+                         f"model use one of: {valid}")
+    if requested != "none" and not runnable:
+        raise ValueError(f"--quantization {requested} needs --dtype float32 on CPU with the compiled kernels "
+                         f"(here: {str(dtype).removeprefix('torch.')} on {device.type}, kernels "
+                         f"{'on' if kernels.load() is not None else 'unavailable'}); valid values here: {valid}")
+    return requested
+
+
+class BlockEmbedding(nn.Module):
+    # An embedding table held only as blocks: a lookup dequantizes the rows it reads.
+    def __init__(self, blocks) -> None:
+        super().__init__()
+        self.blocks = blocks
+        self.weight = None  # no dense table; compute_logits multiplies through the blocks
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        fmt, (qs, scales) = self.blocks
+        return dequantize_blocks((fmt, (qs[input_ids], scales[input_ids])))
+
+
+def apply_quantization(model: nn.Module, method: str) -> None:
+    # After load_weights (pack_weights has found the exact blocks). Frees the dense copies of quantized weights.
+    if method == "none":
+        return
+    dense_before = _weight_bytes(model)
+    num_quantized, num_linear = 0, 0
+    for m in model.modules():
+        if not isinstance(m, Linear) or m.weight is None:
+            continue
+        num_linear += 1
+        if method == "int8" and m.weight.shape[1] % BLOCK == 0:
+            m.exact_blocks = ("q8_0", quantize_q8_0(m.weight))
+        if m.exact_blocks is not None:
+            m.weight, m.packed_weight = None, None
+            num_quantized += 1
+    embed = model.model.embed_tokens
+    if method == "int8" and model.lm_head is None and embed.weight.shape[1] % BLOCK == 0:
+        model._lm_head_blocks = ("q8_0", quantize_q8_0(embed.weight))
+    if model.lm_head is None and model._lm_head_blocks is not None:  # tied: one block table serves both
+        model.model.embed_tokens = BlockEmbedding(model._lm_head_blocks)
+        model._lm_head_packed = None
+    elif model.lm_head is not None:
+        model._lm_head_packed, model._lm_head_blocks = model.lm_head.packed_weight, model.lm_head.exact_blocks
+    gc.collect()
+    _return_freed_memory()
+    logger.info("quantization %s: %d of %d linear weights kept only as blocks%s; weights %.0f MB (dense: %.0f MB)",
+                method, num_quantized, num_linear,
+                ", embedding too" if isinstance(model.model.embed_tokens, BlockEmbedding) else "",
+                _weight_bytes(model) / 1e6, dense_before / 1e6)
+
+
+def _return_freed_memory() -> None:
+    # glibc keeps freed heap pages mapped; without this the dense copies freed above stay in the resident set.
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def block_logits(hidden: torch.Tensor, blocks) -> torch.Tensor:
+    # LM head through its blocks at any number of rows (the kernel walks rows in passes of 8).
+    ops = kernels.ops_for(hidden)
+    fmt, (qs, scales) = blocks
+    if ops is None or hidden.dim() != 2:
+        return F.linear(hidden, dequantize_blocks(blocks))
+    return (ops.gemm_q4_1 if fmt == "q4_1" else ops.gemm_q8_0)(hidden.contiguous(), qs, scales, None)
+
+
+def _weight_bytes(model: nn.Module) -> int:
+    # Resident weight bytes: parameters, oneDNN-packed copies and block copies.
+    seen, total = set(), 0
+
+    def add(t) -> None:
+        nonlocal total
+        if not isinstance(t, torch.Tensor):
+            return
+        if t.is_mkldnn:  # oneDNN's packed layout has no storage to inspect; about its logical size
+            key, nbytes = id(t), t.numel() * t.element_size()
+        else:
+            key, nbytes = t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
+        if key not in seen:
+            seen.add(key)
+            total += nbytes
+
+    for p in model.parameters():
+        add(p)
+    for m in model.modules():
+        for blocks in (getattr(m, "exact_blocks", None), getattr(m, "blocks", None),
+                       getattr(m, "_lm_head_blocks", None)):
+            if blocks is not None:
+                for t in blocks[1]:
+                    add(t)
+        add(getattr(m, "packed_weight", None))
+        add(getattr(m, "_lm_head_packed", None))
+    return total
