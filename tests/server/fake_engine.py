@@ -6,7 +6,7 @@ import threading
 import time
 from types import SimpleNamespace
 
-from pagedserve.config import ModelConfig
+from pagedserve.config import ModelConfig, StructuredOutputsConfig
 from pagedserve.core.scheduler_output import SchedulerStats
 from pagedserve.engine.core import EngineCoreOutput, EngineCoreRequest
 from pagedserve.metrics.stats import EngineStats
@@ -34,7 +34,8 @@ class FakeCore:
     def __init__(self, step_s: float = 0.002) -> None:
         self.model_name, self.max_model_len, self.num_kv_blocks = "fake", 20_000, 8
         self.kv_bytes_per_token = 46_080
-        self.config = SimpleNamespace(cache=SimpleNamespace(block_size=16, cache_dtype="float32"), model=ModelConfig())
+        self.config = SimpleNamespace(cache=SimpleNamespace(block_size=16, cache_dtype="float32"), model=ModelConfig(),
+                                      structured_outputs=StructuredOutputsConfig())
         self.loaded = SimpleNamespace(tokenizer=word_tokenizer(), hf_config=SimpleNamespace(vocab_size=len(VOCAB)),
                                       eos_token_ids=[], chat_template=None)
         self.stats = EngineStats()
