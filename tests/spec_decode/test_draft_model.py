@@ -19,8 +19,9 @@ def tiny_dir(tokenizer, path, seed: int, vocab_size: int = 1100, layers: int = 1
     return save_hf_dir(random_hf_model(config, scale=0.3, seed=seed), tokenizer, path)
 
 
-def draft_config(path: str, k: int = 3) -> dict:
-    return {"method": "draft_model", "model": path, "num_speculative_tokens": k, "disable_by_batch_size": None}
+def draft_config(path: str, k: int = 3, dtype: str | None = None) -> dict:
+    return {"method": "draft_model", "model": path, "num_speculative_tokens": k, "disable_by_batch_size": None,
+            "dtype": dtype}
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +40,8 @@ def test_unrelated_tiny_draft_keeps_greedy_output_exact(tiny):
     kw = dict(model=tiny["target"], kv_cache_memory_bytes=1 << 20, max_num_batched_tokens=64, max_num_seqs=8,
               block_size=4)
     off = LLM(**kw).generate(prompts, params, use_tqdm=False)
-    llm = LLM(**kw, speculative_config=draft_config(tiny["draft"], k=4))
+    # The unrelated draft runs in bfloat16 (a cheaper dtype than the target's float32).
+    llm = LLM(**kw, speculative_config=draft_config(tiny["draft"], k=4, dtype="bfloat16"))
     on = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in on] == [o.outputs[0].token_ids for o in off]
     core = llm.llm_engine.core
