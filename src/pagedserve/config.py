@@ -136,6 +136,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1          # ngram: shortest suffix looked up in the sequence
     prompt_lookup_max: int = 3          # ngram: longest suffix tried first
     model: str | None = None            # draft_model: GGUF file or HF directory
+    dtype: str | None = None            # draft_model: the draft's dtype (a cheaper copy); None = the target's
     # No drafts in a step whose running batch holds more requests than this (vLLM V0's
     # speculative_disable_by_batch_size); None = never off.
     disable_by_batch_size: int | None = SPEC_DISABLE_BY_BATCH_SIZE
@@ -151,6 +152,8 @@ class SpeculativeConfig:
                              f"and {self.prompt_lookup_max}")
         if self.method == "draft_model" and not self.model:
             raise ValueError("speculative method 'draft_model' needs 'model' (the draft's path)")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ValueError(f"speculative dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
             raise ValueError(f"disable_by_batch_size must be >= 1, got {self.disable_by_batch_size}")
 

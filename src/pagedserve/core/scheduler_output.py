@@ -90,6 +90,8 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, PromptLogprobsChunk] | None = None
     # Speculative decoding; None when no request in the step had drafts.
     spec: SpecDecodeOutput | None = None
+    # Draft-model speculation: each sampled request's drafts for its next step; None without a draft model.
+    draft_token_ids: dict[str, list[int]] | None = None
 
 
 @dataclass(slots=True)

@@ -35,6 +35,7 @@ from pagedserve.attention.kv_quant import storage_dtype
 from pagedserve.model.dtypes import resolve_dtype
 from pagedserve.model.loader import load_model
 from pagedserve.sampling_params import SamplingParams
+from pagedserve.spec_decode.draft_model import DraftModel, check_same_vocab
 from pagedserve.spec_decode.proposer import make_proposer
 from pagedserve.structured_output.manager import StructuredOutputManager
 from pagedserve.worker.kv_cache import allocate_host_caches, allocate_kv_caches, kv_bytes_per_block
@@ -165,12 +166,37 @@ class EngineCore:
             self.runner = DistributedRunner(self.runner, self.executor)
         self.stats = EngineStats()
         self.proposer = make_proposer(config.speculative)
+        self._draft_model = config.speculative is not None and config.speculative.method == "draft_model"
+        if self._draft_model:
+            if self.executor:
+                raise ValueError("speculative method 'draft_model' does not support tensor_parallel_size > 1 yet")
+            self.runner.drafter = self._load_draft(loaded, num_blocks, num_host_blocks, device, dtype)
         # Samples of one user request (a sample's group is the sample it forks, or itself), so metrics count
         # a request once when its last sample ends, as vLLM does.
         self._group_of: dict[str, str] = {}
         self._groups: dict[str, list[Request]] = {}
         logger.info("loaded %s in %.1fs on %s; KV pool: %d blocks x %d tokens = %d tokens",
                     self.model_name, time.perf_counter() - t0, device, num_blocks, bs, num_blocks * bs)
+
+    def _load_draft(self, target, num_blocks: int, num_host_blocks: int, device: torch.device,
+                    dtype: torch.dtype) -> DraftModel:
+        # The draft's K/V mirrors the target's blocks (spec_decode/draft_model.py); its memory comes on top
+        # of the pool the memory plan sized for the target.
+        spec = self.config.speculative
+        draft_dtype = getattr(torch, spec.dtype) if spec.dtype else dtype
+        loaded = load_model(spec.model, device, draft_dtype, self.config.model.attention_backend,
+                            self.config.model.tokenizer)
+        check_same_vocab(target, loaded)
+        drafter = DraftModel(loaded, spec.num_speculative_tokens, num_blocks, self.config.cache.block_size,
+                             self.config.scheduler.max_num_seqs, self.max_model_len, draft_dtype, device)
+        if num_host_blocks:
+            hf = loaded.hf_config
+            drafter.host_caches = allocate_host_caches(
+                hf.num_hidden_layers, num_host_blocks, self.config.cache.block_size, hf.num_key_value_heads,
+                drafter.head_dim, draft_dtype, device)
+        logger.info("draft model %s (%s), %d speculative tokens", loaded.model_name, draft_dtype,
+                    spec.num_speculative_tokens)
+        return drafter
 
     def shutdown(self) -> None:
         # Stops the tensor-parallel workers; a single-process core holds nothing that needs stopping.
@@ -235,6 +261,9 @@ class EngineCore:
         # A plan with no tokens still carries finished ids and swap copies: the worker applies them.
         t0 = time.perf_counter()
         failures = _StepFailures()
+        if self._draft_model:
+            limit = self.config.speculative.disable_by_batch_size
+            self.runner.propose_drafts = limit is None or len(self.scheduler.running) <= limit
         result = self._execute(plan, failures)
         for req_id, message in failures.errors.items():
             req = self.scheduler.finish_request(req_id, RequestStatus.FINISHED_ABORTED)
@@ -274,12 +303,12 @@ class EngineCore:
             outputs.extend(self._prompt_logprob_outputs(result.prompt_logprobs, {o.req_id for o in outputs}))
         if result.spec is not None:
             self.stats.spec.record(result.spec)
-        if self.proposer is not None:
-            self._propose(updated)
+        if self.proposer is not None or result.draft_token_ids is not None:
+            self._propose(updated, result.draft_token_ids)
         self.stats.record_step(plan, self.scheduler.stats(), time.perf_counter() - t0, num_emitted)
         return outputs
 
-    def _propose(self, updated: list[Request]) -> None:
+    def _propose(self, updated: list[Request], draft_token_ids: dict[str, list[int]] | None) -> None:
         # Drafts for the next step. Above disable_by_batch_size running requests they would cost more
         # compute than they save, so that step decodes without them.
         limit = self.config.speculative.disable_by_batch_size
@@ -287,8 +316,12 @@ class EngineCore:
             return
         for req in updated:
             # A request under a grammar decodes one token a step: its matcher advances on emitted tokens only.
-            if req.status is RequestStatus.RUNNING and req.req_id not in self.structured_output:
+            if req.status is not RequestStatus.RUNNING or req.req_id in self.structured_output:
+                continue
+            if self.proposer is not None:
                 req.spec_token_ids = self.proposer.propose(req.all_token_ids)
+            else:  # the draft model proposed inside the step, from the token the step sampled
+                req.spec_token_ids = list(draft_token_ids.get(req.req_id, ()))
 
     def _accept_structured(self, updated: list[Request], outputs: list[EngineCoreOutput]) -> list[Request]:
         # Each new token advances its sequence's matcher. The mask allowed only tokens the grammar accepts, so
@@ -389,6 +422,9 @@ def merge_runner_outputs(parts: list[ModelRunnerOutput]) -> ModelRunnerOutput:
         if p.prompt_logprobs:
             merged.prompt_logprobs = {**(merged.prompt_logprobs or {}), **p.prompt_logprobs}
     merged.spec = SpecDecodeOutput.merge([(len(p.req_ids), p.spec) for p in parts])
+    drafts = [p.draft_token_ids for p in parts if p.draft_token_ids is not None]
+    if drafts:
+        merged.draft_token_ids = {r: d for part in drafts for r, d in part.items()}
     return merged
 
 

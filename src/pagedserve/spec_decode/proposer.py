@@ -1,4 +1,4 @@
-"""Which drafter a SpeculativeConfig asks for."""
+"""Which token-id drafter a SpeculativeConfig asks for (the draft model runs in the worker instead)."""
 from __future__ import annotations
 
 from pagedserve.config import SpeculativeConfig
@@ -10,4 +10,4 @@ def make_proposer(config: SpeculativeConfig | None) -> NgramProposer | None:
         return None
     if config.method == "ngram":
         return NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
-    raise ValueError(f"speculative method {config.method!r} is not supported yet")
+    return None  # draft_model: the engine gives the runner a DraftModel, which proposes inside each step

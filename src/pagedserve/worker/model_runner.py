@@ -13,6 +13,7 @@ import torch
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput, SpecDecodeOutput
 from pagedserve.sample.sampler import Sampler, SamplingBatch, SamplingRow, make_generator
+from pagedserve.spec_decode.draft_model import DraftModel
 from pagedserve.spec_decode.rejection_sampler import rejection_sample
 from pagedserve.structured_output.manager import StructuredOutputManager
 from pagedserve.worker.input_batch import InputBatch
@@ -52,6 +53,11 @@ class ModelRunner:
         self.generator = make_generator(seed, device)
         # Set by the engine core: masks the logits of rows under a grammar (structured outputs).
         self.structured_output: StructuredOutputManager | None = None
+        # Draft-model speculation (spec_decode/draft_model.py): set by the engine. propose_drafts is off in
+        # steps whose batch is too large for drafts to pay; the draft still catches up on every step.
+        self.drafter: DraftModel | None = None
+        self.propose_drafts = True
+        self.draft_probs: dict[str, torch.Tensor] = {}  # the proposed drafts' q rows, [k, V] per request
 
     def _make_generator(self, seed: int) -> torch.Generator:
         return make_generator(seed, self.device)
@@ -98,6 +104,10 @@ class ModelRunner:
         # Bookkeeping only (the plan's diff into the input batch, block copies and swaps): done once per plan.
         self.input_batch.apply(plan, self._make_generator)
         apply_block_ops(plan.block_ops, self.kv_caches, self.host_caches)
+        if self.drafter is not None:
+            apply_block_ops(plan.block_ops, self.drafter.kv_caches, self.drafter.host_caches)
+            for req_id in plan.finished_req_ids:
+                self.draft_probs.pop(req_id, None)
 
     @torch.inference_mode()
     def execute_model(self, num_scheduled_tokens: dict[str, int]) -> ModelRunnerOutput:
@@ -107,6 +117,8 @@ class ModelRunner:
             return ModelRunnerOutput([], [])
         step = self.build_metadata(num_scheduled_tokens)
         hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta)
+        if self.drafter is not None:
+            self.drafter.catch_up(step.input_ids, step.positions, step.meta)
 
         # The LM head runs only on each sampled request's last token, plus every prompt row of requests that
         # asked for prompt logprobs (worker/prompt_logprobs.py).
@@ -153,19 +165,58 @@ class ModelRunner:
             self.structured_output.apply_bitmask(logits, row_req_ids)
         batch = SamplingBatch.build(rows, self.vocab_size, logits.device)
         if spec:
-            return verify_output(req_ids, drafts, logits, batch, prompt_logprobs)
-        out = self.sampler(logits, batch)
-        return ModelRunnerOutput(req_ids, out.sampled_token_ids, out.logprobs, out.top_logprobs, out.ranks,
-                                 prompt_logprobs)
+            out = verify_output(req_ids, drafts, logits, batch, prompt_logprobs, self._draft_q(req_ids, drafts))
+        else:
+            s = self.sampler(logits, batch)
+            out = ModelRunnerOutput(req_ids, s.sampled_token_ids, s.logprobs, s.top_logprobs, s.ranks,
+                                    prompt_logprobs)
+        if self.drafter is not None and self.propose_drafts:
+            self._propose(step, out)
+        return out
+
+    def _draft_q(self, req_ids: list[str], drafts: list[list[int]]) -> torch.Tensor | None:
+        # The draft distributions of the drafts being verified; the scheduler may have cut a request's
+        # drafts short, never reordered them, so its first rows are the ones.
+        if self.drafter is None:
+            return None
+        return torch.cat([self.draft_probs[r][:len(d)] for r, d in zip(req_ids, drafts) if d])
+
+    def _propose(self, step: StepInputs, out: ModelRunnerOutput) -> None:
+        # Each sampled request's next token sits at position seq_len - drafts + accepted; the draft model
+        # drafts the k tokens after it. Rows too close to max_model_len draft nothing.
+        batch = self.input_batch
+        index = {r: i for i, r in enumerate(step.req_ids)}
+        k = self.drafter.k
+        rows = []
+        for j, req_id in enumerate(out.req_ids):
+            i = index[req_id]
+            pos = int(step.starts[i]) + step.query_lens[i]
+            if out.spec is not None:
+                pos += len(out.spec.accepted_token_ids[j]) - out.spec.num_draft_tokens[j]
+            if pos + k <= self.drafter.max_model_len - 1:
+                rows.append((req_id, pos, out.sampled_token_ids[j]))
+        out.draft_token_ids = {}
+        if not rows:
+            return
+        states = [batch.requests[r] for r, _, _ in rows]
+        tables = [batch.block_table[s.row, :batch.num_blocks[s.row]] for s in states]
+        temps = [0.0 if s.params.is_greedy else s.params.temperature for s in states]
+        gens = [self.generator if s.generator is None else s.generator for s in states]
+        ids, q = self.drafter.propose([t for _, _, t in rows], [p for _, p, _ in rows], tables, temps, gens)
+        for (req_id, _, _), d, q_rows in zip(rows, ids, q):
+            out.draft_token_ids[req_id] = d
+            self.draft_probs[req_id] = q_rows
 
 
 def verify_output(req_ids: list[str], drafts: list[list[int]], logits: torch.Tensor, batch: SamplingBatch,
-                  prompt_logprobs) -> ModelRunnerOutput:
+                  prompt_logprobs, draft_probs: torch.Tensor | None = None) -> ModelRunnerOutput:
     # Speculative step: each row's accepted drafts go in SpecDecodeOutput, its last token where a plain
     # step puts its sampled one.
     starts = np.cumsum([0] + [len(d) + 1 for d in drafts[:-1]])
     gens = [batch.generators[s] for s in starts]
-    v = rejection_sample(logits, batch, drafts, gens)
+    if draft_probs is not None:
+        draft_probs = draft_probs.to(logits.dtype)
+    v = rejection_sample(logits, batch, drafts, gens, draft_probs)
     out = ModelRunnerOutput(req_ids, v.sampled_token_ids, prompt_logprobs=prompt_logprobs,
                             spec=SpecDecodeOutput(v.accepted_token_ids, [len(d) for d in drafts]))
     if v.logprobs is not None:
