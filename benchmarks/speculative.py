@@ -145,7 +145,7 @@ def main() -> None:
     write_json(args.out, {"machine": machine, "args": vars(args), "summary": summary,
                           "greedy_text_identical_1_stream": same,
                           "greedy_text_identical_1_stream_draft_model": same_draft, "settings": results,
-                          "example_answer": texts["off"][0]})
+                          "example_answer": texts["off"][0] if texts["off"] else None})
     print(summary, "identical:", same)
 
 
