@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -92,6 +93,24 @@ def mode_label(r: dict) -> str:
     return f"{r['dtype']} / {r['quantization']} / KV {r['kv_cache_dtype']}"
 
 
+def save(args: argparse.Namespace, machine: dict, quality: dict, rows: list[dict]) -> None:
+    machine["load_avg_1_5_15_at_end"] = list(os.getloadavg())
+    result = {"machine": machine, "perplexity_from": {"file": os.path.relpath(args.quality, HERE),
+                                                      "machine": quality["machine"]},
+              "workload": {"num_prompts": args.num_prompts, "input_len": args.input_len,
+                           "output_len": args.output_len, "seed": args.seed,
+                           "prompts": "uniform random token ids excluding special tokens",
+                           "sampling": "greedy, ignore_eos", "kv_cache_memory_bytes": args.kv_cache_memory,
+                           "max_model_len": args.max_model_len, "num_threads": args.num_threads},
+              "modes": rows}
+    if args.out:
+        write_json(args.out, result)
+    if args.plot:
+        plot(rows, args.plot, f"embedded SmolLM2-135M Q4_1, {args.num_prompts} requests offline, "
+                              f"{machine['cpu_model']} ({machine['cpu_count']} CPUs), load avg "
+                              f"{machine['load_avg_1_5_15'][0]:.1f} -> {machine['load_avg_1_5_15_at_end'][0]:.1f}")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quality", default=os.path.join(HERE, "results", "quality.json"),
@@ -111,6 +130,8 @@ def main() -> int:
         args.dtype, args.quantization, args.kv_cache_dtype = args.one
         print(MARK + json.dumps(run_one(args)), flush=True)
         return 0
+    # SIGTERM (e.g. from `timeout`) unwinds, so subprocess.run ends the running mode's process too.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     with open(args.quality, encoding="utf-8") as f:
         quality = json.load(f)
     machine = machine_info()
@@ -133,21 +154,7 @@ def main() -> int:
         rows.append(row)
         print(f"{mode_label(row):>40}: {row['output_tokens_per_s']:6.1f} tok/s, RSS {row['rss_mb']:5.0f} MB "
               f"(peak {row['peak_rss_mb']:5.0f}), ppl {row['perplexity']:.3f}", flush=True)
-    machine["load_avg_1_5_15_at_end"] = list(os.getloadavg())
-    result = {"machine": machine, "perplexity_from": {"file": os.path.relpath(args.quality, HERE),
-                                                      "machine": quality["machine"]},
-              "workload": {"num_prompts": args.num_prompts, "input_len": args.input_len,
-                           "output_len": args.output_len, "seed": args.seed,
-                           "prompts": "uniform random token ids excluding special tokens",
-                           "sampling": "greedy, ignore_eos", "kv_cache_memory_bytes": args.kv_cache_memory,
-                           "max_model_len": args.max_model_len, "num_threads": args.num_threads},
-              "modes": rows}
-    if args.out:
-        write_json(args.out, result)
-    if args.plot:
-        plot(rows, args.plot, f"embedded SmolLM2-135M Q4_1, {args.num_prompts} requests offline, "
-                              f"{machine['cpu_model']} ({machine['cpu_count']} CPUs), load avg "
-                              f"{machine['load_avg_1_5_15'][0]:.1f} -> {machine['load_avg_1_5_15_at_end'][0]:.1f}")
+        save(args, machine, quality, rows)  # after every mode, so a run cut short still leaves its numbers
     return 0
 
 

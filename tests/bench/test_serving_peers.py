@@ -78,7 +78,7 @@ def test_bad_also_is_a_usage_error(script, monkeypatch, capsys):
 def test_vllm_command_line(script):
     args = script.argparse.Namespace(vllm_python="/venv/bin/python", vllm_model="/tmp/m", vllm_dtype="float32",
                                      max_model_len=2048, kv_cache_memory=3 << 30, vllm_arg=["--max-num-seqs=16"])
-    cmd, env = script.vllm_command(args)
-    assert cmd[:4] == ["/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server", "--model"]
+    cmd = script.vllm_command(args)
+    assert cmd[:5] == ["/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server", "--model", "/tmp/m"]
     assert cmd[cmd.index("--dtype") + 1] == "float32" and cmd[-1] == "--max-num-seqs=16"
-    assert env == {"VLLM_CPU_KVCACHE_SPACE": "3"}
+    assert cmd[cmd.index("--kv-cache-memory-bytes") + 1] == str(3 << 30)
