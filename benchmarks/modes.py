@@ -85,6 +85,7 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     ax.set_ylabel("offline output tokens/s")
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
+    ax.margins(x=0.3, y=0.15)  # room for the labels of the outermost points
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
