@@ -73,25 +73,37 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(9, 6), constrained_layout=True)
+    fig, (ax, key) = plt.subplots(1, 2, figsize=(13, 6), width_ratios=[2.2, 1], constrained_layout=True)
     ppl = [r["perplexity"] for r in rows]
     sc = ax.scatter([r["rss_mb"] for r in rows], [r["output_tokens_per_s"] for r in rows], c=ppl, cmap="viridis_r",
-                    s=120, edgecolors="black", vmin=min(ppl), vmax=max(ppl))
-    for r in rows:
-        ax.annotate(f"{mode_label(r)}\nppl {r['perplexity']:.2f} ({r['perplexity_change']:+.2%})",
-                    (r["rss_mb"], r["output_tokens_per_s"]), textcoords="offset points", xytext=(7, 4), fontsize=7)
+                    s=140, edgecolors="black", vmin=min(ppl), vmax=max(ppl))
+    # Points of similar modes sit on top of each other: numbers on the points, the modes in a key beside.
+    for i, r in enumerate(rows, 1):
+        ax.annotate(str(i), (r["rss_mb"], r["output_tokens_per_s"]), textcoords="offset points",
+                    xytext=(6 + 9 * (i % 2), 3 - 6 * (i % 3)), fontsize=9, weight="bold")
     fig.colorbar(sc, ax=ax, label="perplexity on benchmarks/data/heldout.txt (lower is better)")
     ax.set_xlabel("resident memory after the run, VmRSS (MB)")
     ax.set_ylabel("offline output tokens/s")
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
-    ax.margins(x=0.3, y=0.15)  # room for the labels of the outermost points
+    ax.margins(x=0.15, y=0.15)
+    key.axis("off")
+    lines = ["    dtype / weights / KV cache          tok/s   MB    ppl"]
+    lines += [f"{i:>2}  {mode_label(r):<34}{r['output_tokens_per_s']:6.1f} {r['rss_mb']:5.0f}  "
+              f"{r['perplexity']:.2f} ({r['perplexity_change']:+.2%})" for i, r in enumerate(rows, 1)]
+    key.text(0, 1, "\n".join(lines), va="top", family="monospace", fontsize=7.5, transform=key.transAxes)
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
 def mode_label(r: dict) -> str:
     return f"{r['dtype']} / {r['quantization']} / KV {r['kv_cache_dtype']}"
+
+
+def plot_title(machine: dict, num_prompts: int) -> str:
+    return (f"embedded SmolLM2-135M Q4_1, {num_prompts} requests offline, {machine['cpu_model']} "
+            f"({machine['cpu_count']} CPUs), load avg {machine['load_avg_1_5_15'][0]:.1f} -> "
+            f"{machine['load_avg_1_5_15_at_end'][0]:.1f}")
 
 
 def save(args: argparse.Namespace, machine: dict, quality: dict, rows: list[dict]) -> None:
@@ -107,9 +119,7 @@ def save(args: argparse.Namespace, machine: dict, quality: dict, rows: list[dict
     if args.out:
         write_json(args.out, result)
     if args.plot:
-        plot(rows, args.plot, f"embedded SmolLM2-135M Q4_1, {args.num_prompts} requests offline, "
-                              f"{machine['cpu_model']} ({machine['cpu_count']} CPUs), load avg "
-                              f"{machine['load_avg_1_5_15'][0]:.1f} -> {machine['load_avg_1_5_15_at_end'][0]:.1f}")
+        plot(rows, args.plot, plot_title(machine, args.num_prompts))
 
 
 def main() -> int:
@@ -125,11 +135,17 @@ def main() -> int:
     p.add_argument("--num-threads", type=int, default=None)
     p.add_argument("--out", default=None, metavar="FILE.json")
     p.add_argument("--plot", default=None, metavar="FILE.png")
+    p.add_argument("--replot", action="store_true", help="only redraw --plot from the rows in --out")
     p.add_argument("--one", nargs=3, default=None, metavar=("DTYPE", "QUANTIZATION", "KV"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.one:
         args.dtype, args.quantization, args.kv_cache_dtype = args.one
         print(MARK + json.dumps(run_one(args)), flush=True)
+        return 0
+    if args.replot:
+        with open(args.out, encoding="utf-8") as f:
+            saved = json.load(f)
+        plot(saved["modes"], args.plot, plot_title(saved["machine"], saved["workload"]["num_prompts"]))
         return 0
     # SIGTERM (e.g. from `timeout`) unwinds, so subprocess.run ends the running mode's process too.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
