@@ -52,6 +52,7 @@ class Server:
         deadline = time.monotonic() + startup_timeout_s
         while True:
             if self.proc.poll() is not None:
+                self.stop()  # the workers it may have spawned before failing
                 raise RuntimeError(f"{name} exited with {self.proc.returncode}; log: {self.log.name}")
             try:
                 if httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200:
