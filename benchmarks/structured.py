@@ -94,8 +94,8 @@ def offline_step_profile(max_tokens: int, streams: int) -> dict:
 
     manager.apply_bitmask, manager.accept_token = timed(manager.apply_bitmask), timed(manager.accept_token)
     out = {}
-    for name, mixed in (("warmup", True), ("plain", False), ("mixed", True)):
-        params = [SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, structured_outputs=
+    for name, mixed, num_tokens in (("warmup", True, 4), ("plain", False, max_tokens), ("mixed", True, max_tokens)):
+        params = [SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True, structured_outputs=
                                  StructuredOutputsParams(json=hourly_schema(-i)) if mixed and i % 2 else None)
                   for i in range(streams)]
         grammar_cpu[0] = 0.0
