@@ -211,6 +211,31 @@ def test_hermes_parser():
     assert parse_hermes('<tool_call>{"name": "other", "arguments": {}}</tool_call>', names).tool_calls == []
 
 
+def test_required_call_array_scanner_streams_pieces_that_join_to_the_whole():
+    import random
+
+    from pagedserve.server.tool_array import CallArrayScanner, split_calls
+
+    calls = [{"name": "get_weather", "arguments": {"city": "q\\\"}]{,", "x": [1, {"z": None}]}},
+             {"name": "get_visitors", "arguments": {}}, {"name": "n\u00e9", "arguments": 5}]
+    text = json.dumps(calls, ensure_ascii=False)
+    whole = [(c["name"], json.dumps(c["arguments"], ensure_ascii=False)) for c in calls]
+    assert split_calls(text) == whole
+    assert split_calls(text[:-1]) is None and split_calls("[]") is None and split_calls('{"a": 1}') is None
+    rng = random.Random(0)
+    for _ in range(20):  # any cut of the text into pieces gives the same calls, names first
+        scanner, got, i = CallArrayScanner(), {}, 0
+        while i < len(text):
+            piece = text[i:i + rng.randint(1, 6)]
+            i += len(piece)
+            for e in scanner.feed(piece):
+                if e.name is not None:
+                    assert e.index == len(got)
+                    got[e.index] = [e.name, ""]
+                got[e.index][1] += e.arguments
+        assert [tuple(v) for v in got.values()] == whole
+
+
 def test_auto_streaming_holds_back_the_tool_call_tag():
     from pagedserve.server.protocol import ChatCompletionRequest
     from pagedserve.server.tool_stream import ToolStreamer, final_message
