@@ -5,7 +5,8 @@ Streaming per tool_choice:
     required  the text is a JSON array of calls (server/tool_array.py): each call opens with a delta with id,
               type and name, then its arguments as they come
     auto      content streams until "<tool_call>" may be starting; from there the text is held and parsed at the end
-A finish that cut the calls short (finish_reason "length") sends what was held as content.
+A finish that cut the calls short (finish_reason "length") sends what was held as content (named and required
+have sent their pieces already; the finish says "length").
 """
 from __future__ import annotations
 
