@@ -7,7 +7,8 @@ Only rows with a matcher are masked; the others cost nothing. Per step: one prea
 [max_num_seqs, ceil(V / 32)], each constrained row filled by its matcher in C++, then one call of xgrammar's CPU
 kernel over the listed rows. No Python loop touches the vocabulary. Measured (benchmarks/README.md): fill +
 apply + accept are about 0.6% of a 16-sequence decode step's engine-thread CPU time.
-rollback / validate_tokens are the hooks for speculative decoding: draft tokens are checked against the grammar and rejected ones are undone.
+rollback / validate_tokens are the hooks for speculative decoding: draft tokens are checked against the grammar
+and rejected ones are undone.
 """
 from __future__ import annotations
 
