@@ -1,17 +1,20 @@
 """Structured outputs overhead (issue 13): decode TPOT at 16 concurrent streams when half of them decode under
 a JSON schema, against the same 16 streams with no constraint. Target: < 10% overhead.
 
-Every stream asks for the same number of tokens; the schema (an array of exactly N hourly rows) is longer
+Every stream asks for the same number of tokens; the schema (an array of exactly 24 hourly rows) is longer
 than that, so constrained streams also run to max_tokens and both runs decode the same token counts. Runs
-alternate (plain, mixed, plain, mixed, ...) on one server, so machine noise hits both alike.
+alternate (plain, mixed, plain, mixed, ...) on one server, so drift in machine load hits both alike. Besides
+wall-clock TPOT it records the server process's CPU seconds per output token, which a busy machine disturbs
+far less than it disturbs wall time (on 2 shared cores, TPOT swings with other processes; CPU work does not).
+First, an offline step profile (the same 16 streams through LLM.generate on one torch thread) splits the
+engine thread's CPU time into the whole step and the grammar work in it (bitmask fill + apply, token accept).
 
-    flock /work/wt/BENCH_LOCK -c "python benchmarks/structured.py --out benchmarks/results/structured.json"
+    flock /work/wt/BENCH_LOCK -c "cd benchmarks && python structured.py --out results/structured.json"
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
 import sys
@@ -20,6 +23,8 @@ import time
 import httpx
 
 from common import machine_info, write_json
+from pagedserve.bench.client import Endpoint, list_models, send_request
+from pagedserve.bench.dataset import BenchRequest
 from serving import Server, free_port
 
 PROMPT = "Visitors of store 12 on 2026-03-04, per hour, as JSON:"
@@ -38,44 +43,94 @@ def hourly_schema(i: int) -> dict:
         "required": ["store", "rows"]}
 
 
-async def stream_one(client: httpx.AsyncClient, max_tokens: int, schema: dict | None) -> dict:
-    body = {"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}
+def sampling(schema: dict | None) -> dict:
+    body = {"temperature": 0, "ignore_eos": True}
     if schema is not None:
         body["response_format"] = {"type": "json_schema", "json_schema": {"name": "visitors", "schema": schema}}
-    t0 = time.perf_counter()
-    first = None
-    tokens = 0
-    async with client.stream("POST", "/v1/completions", json=body) as resp:
-        if resp.status_code != 200:
-            raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread()).decode()[:500]}")
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
-            elif chunk["choices"] and chunk["choices"][0]["text"] and first is None:
-                first = time.perf_counter()
-    end = time.perf_counter()
-    return {"constrained": schema is not None, "tokens": tokens, "ttft": (first or end) - t0,
-            "tpot": (end - first) / (tokens - 1) if first and tokens > 1 else None}
+    return body
 
 
-async def run(url: str, schemas: list[dict | None], max_tokens: int) -> list[dict]:
-    async with httpx.AsyncClient(base_url=url, timeout=900) as client:
-        return await asyncio.gather(*(stream_one(client, max_tokens, s) for s in schemas))
+def cpu_seconds(pid: int) -> float:
+    # utime + stime of the whole process (all threads: engine, OpenMP workers, tokenizer, grammar compiles).
+    with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def run(url: str, schemas: list[dict | None], max_tokens: int, pid: int) -> dict:
+    async with httpx.AsyncClient(timeout=900) as client:
+        base = f"{url}/v1"
+        ep = Endpoint(base, (await list_models(client, base, None))[0], "pagedserve")
+        req = BenchRequest(PROMPT, len(PROMPT.split()), max_tokens)
+        cpu0, t0 = cpu_seconds(pid), time.perf_counter()
+        results = await asyncio.gather(*(send_request(client, ep, req, sampling(s)) for s in schemas))
+        wall, cpu = time.perf_counter() - t0, cpu_seconds(pid) - cpu0
+    bad = [r.error or f"{r.output_tokens} tokens" for r in results if not r.success or r.output_tokens != max_tokens]
+    if bad:
+        raise RuntimeError(f"{len(bad)} streams failed or ran short: {bad[:3]}")
+    return {"wall_s": wall, "cpu_s": cpu, "cpu_s_per_token": cpu / sum(r.output_tokens for r in results),
+            "streams": [{"constrained": s is not None, "ttft": r.ttft, "tpot": r.tpot}
+                        for s, r in zip(schemas, results)]}
+
+
+def offline_step_profile(max_tokens: int, streams: int) -> dict:
+    # One torch thread: the engine thread's CPU time (time.thread_time) is then all of a step's work, and the
+    # grammar part is timed around the manager's two calls. Grammars compile on other threads, not counted.
+    from pagedserve import LLM, SamplingParams
+    from pagedserve.sampling_params import StructuredOutputsParams
+
+    llm = LLM(kv_cache_memory_bytes=256 << 20, max_model_len=2048, max_num_seqs=streams, num_threads=1)
+    manager = llm.llm_engine.core.structured_output
+    grammar_cpu = [0.0]
+
+    def timed(fn):
+        def call(*a, **k):
+            t = time.thread_time()
+            try:
+                return fn(*a, **k)
+            finally:
+                grammar_cpu[0] += time.thread_time() - t
+        return call
+
+    manager.apply_bitmask, manager.accept_token = timed(manager.apply_bitmask), timed(manager.accept_token)
+    out = {}
+    for name, mixed, num_tokens in (("warmup", True, 4), ("plain", False, max_tokens), ("mixed", True, max_tokens)):
+        params = [SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True, structured_outputs=
+                                 StructuredOutputsParams(json=hourly_schema(-i)) if mixed and i % 2 else None)
+                  for i in range(streams)]
+        grammar_cpu[0] = 0.0
+        t = time.thread_time()
+        llm.generate([PROMPT] * streams, params, use_tqdm=False)
+        out[f"{name}_engine_cpu_s"] = time.thread_time() - t
+        out[f"{name}_grammar_cpu_s"] = grammar_cpu[0]
+    del out["warmup_engine_cpu_s"], out["warmup_grammar_cpu_s"]
+    out["engine_cpu_ratio"] = out["mixed_engine_cpu_s"] / out["plain_engine_cpu_s"]
+    out["grammar_share_of_mixed"] = out["mixed_grammar_cpu_s"] / out["mixed_engine_cpu_s"]
+    return out
+
+
+def p50(runs: list[dict], key: str, constrained: bool | None = None) -> float:
+    return statistics.median(x[key] for r in runs for x in r["streams"]
+                             if constrained is None or x["constrained"] == constrained)
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--streams", type=int, default=16)
-    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3, help="plain/mixed pairs")
     p.add_argument("--num-threads", type=int, default=None)
     p.add_argument("--out", default=None)
+    p.add_argument("--no-server", action="store_true", help="the offline step profile only")
     args = p.parse_args()
     info = machine_info()
+    profile = offline_step_profile(args.max_tokens, args.streams)
+    print(f"offline, engine-thread CPU: plain {profile['plain_engine_cpu_s']:.2f}s, mixed "
+          f"{profile['mixed_engine_cpu_s']:.2f}s ({profile['engine_cpu_ratio']:.3f}x); grammar work "
+          f"{profile['mixed_grammar_cpu_s']:.3f}s = {100 * profile['grammar_share_of_mixed']:.2f}% of mixed",
+          file=sys.stderr, flush=True)
+    if args.no_server:
+        return 0
     port = free_port()
     cmd = [sys.executable, "-m", "pagedserve.cli", "serve", "--port", str(port), "--max-model-len", "2048",
            "--kv-cache-memory", str(256 << 20), "--max-num-seqs", str(args.streams), "--uvicorn-log-level", "warning",
@@ -83,39 +138,46 @@ def main() -> int:
     if args.num_threads:
         cmd += ["--num-threads", str(args.num_threads)]
     server = Server("pagedserve", cmd, port)
+    pid = server.proc.pid
     plain_runs, mixed_runs = [], []
     try:
-        asyncio.run(run(server.url, [None, hourly_schema(-1)], 8))  # warm-up (and the xgrammar tokenizer info)
+        # Warm-up: the xgrammar tokenizer info, the first compile, the model's first steps.
+        asyncio.run(run(server.url, [None, hourly_schema(-1)], 8, pid))
         for r in range(args.rounds):
-            plain_runs.append(asyncio.run(run(server.url, [None] * args.streams, args.max_tokens)))
+            plain_runs.append(asyncio.run(run(server.url, [None] * args.streams, args.max_tokens, pid)))
             # Fresh schemas each round: their compiles overlap the other streams' decoding.
             schemas = [hourly_schema(100 * r + i) if i % 2 else None for i in range(args.streams)]
-            mixed_runs.append(asyncio.run(run(server.url, schemas, args.max_tokens)))
-            print(f"round {r}: done", file=sys.stderr, flush=True)
+            mixed_runs.append(asyncio.run(run(server.url, schemas, args.max_tokens, pid)))
+            q, m = plain_runs[-1], mixed_runs[-1]
+            print(f"round {r}: TPOT p50 plain {p50([q], 'tpot'):.4f}s mixed {p50([m], 'tpot'):.4f}s; "
+                  f"server CPU/token plain {q['cpu_s_per_token'] * 1e3:.2f}ms mixed "
+                  f"{m['cpu_s_per_token'] * 1e3:.2f}ms", file=sys.stderr, flush=True)
     finally:
         server.stop()
 
-    def p50(results, constrained=None) -> float:
-        return statistics.median(x["tpot"] for rs in results for x in rs
-                                 if x["tpot"] is not None and (constrained is None or x["constrained"] == constrained))
-
-    assert all(x["tokens"] == args.max_tokens for rs in plain_runs + mixed_runs for x in rs)
-    plain, mixed = p50(plain_runs), p50(mixed_runs)
-    per_round = [p50([m]) / p50([q]) for q, m in zip(plain_runs, mixed_runs)]
+    plain, mixed = p50(plain_runs, "tpot"), p50(mixed_runs, "tpot")
+    cpu_ratios = [m["cpu_s_per_token"] / q["cpu_s_per_token"] for q, m in zip(plain_runs, mixed_runs)]
     data = {
         "machine": info, "command": " ".join(sys.argv),
         "config": {"streams": args.streams, "max_tokens": args.max_tokens, "rounds": args.rounds,
                    "constrained_per_mixed_run": args.streams // 2, "prompt": PROMPT, "schema": hourly_schema(0)},
+        "offline_step_profile": profile,
         "tpot_p50_plain_s": plain, "tpot_p50_mixed_s": mixed,
-        "tpot_p50_mixed_constrained_streams_s": p50(mixed_runs, True),
-        "tpot_p50_mixed_free_streams_s": p50(mixed_runs, False),
-        "overhead_ratio": mixed / plain, "overhead_ratio_per_round": per_round,
-        "ttft_p50_plain_s": statistics.median(x["ttft"] for rs in plain_runs for x in rs),
-        "ttft_p50_mixed_constrained_s": statistics.median(x["ttft"] for rs in mixed_runs for x in rs
-                                                          if x["constrained"]),
+        "tpot_p50_mixed_constrained_streams_s": p50(mixed_runs, "tpot", True),
+        "tpot_p50_mixed_free_streams_s": p50(mixed_runs, "tpot", False),
+        "overhead_ratio": mixed / plain,
+        "overhead_ratio_per_round": [p50([m], "tpot") / p50([q], "tpot") for q, m in zip(plain_runs, mixed_runs)],
+        "server_cpu_s_per_token_plain": [r["cpu_s_per_token"] for r in plain_runs],
+        "server_cpu_s_per_token_mixed": [r["cpu_s_per_token"] for r in mixed_runs],
+        "cpu_overhead_ratio_median": statistics.median(cpu_ratios), "cpu_overhead_ratio_per_round": cpu_ratios,
+        "ttft_p50_plain_s": p50(plain_runs, "ttft"),
+        "ttft_p50_mixed_constrained_s": p50(mixed_runs, "ttft", True),
         "load_average_end": list(os.getloadavg()),
     }
-    print(json.dumps({k: v for k, v in data.items() if k not in ("machine", "config")}, indent=1))
+    print(f"TPOT p50 plain {plain:.4f}s, mixed {mixed:.4f}s: overhead ratio {mixed / plain:.3f} "
+          f"(per round {', '.join(f'{x:.3f}' for x in data['overhead_ratio_per_round'])}); server CPU per "
+          f"token ratio {data['cpu_overhead_ratio_median']:.3f}; load average "
+          f"{info['load_avg_1_5_15'][0]:.1f} -> {data['load_average_end'][0]:.1f}")
     if args.out:
         write_json(args.out, data)
     return 0

@@ -21,6 +21,20 @@ ATTENTION_BACKENDS = ("auto", "reference", "cpu")
 CHUNKED_PREFILL_BATCHED_TOKENS = 512
 
 
+def json_object(value: object, what: str) -> dict:
+    """value as a dict: JSON text is parsed, a dict passes; anything else is a ValueError naming `what`."""
+    if isinstance(value, str):
+        import json
+
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{what} is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{what} must be a JSON object, got {type(value).__name__}")
+    return value
+
+
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
     model: str | None = None          # GGUF file or HF directory; None = embedded SmolLM2
@@ -162,15 +176,7 @@ class SpeculativeConfig:
         # The JSON of --speculative-config, a dict from LLM(speculative_config=...), or a config.
         if value is None or isinstance(value, SpeculativeConfig):
             return value
-        if isinstance(value, str):
-            import json
-
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"speculative_config is not valid JSON: {exc}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}")
+        value = json_object(value, "speculative_config")
         known = set(cls.__dataclass_fields__)
         unknown = sorted(set(value) - known)
         if unknown:

@@ -78,22 +78,27 @@ def test_required_and_named_arguments_validate_100_of_100(oai, model):
     assert {c.message.tool_calls[0].function.name for c in by_name.choices} == {"get_visitors"}
 
 
-def _assemble(stream) -> dict[int, list[tuple[str, str]]]:
+def _assemble(stream) -> tuple[dict[int, list[tuple[str, str]]], int]:
+    # The calls of each choice, and how many chunks carried argument pieces (streamed, not sent whole).
     calls: dict[int, dict[int, dict]] = {}
     finish = {}
+    num_argument_chunks = 0
     for chunk in stream:
         for choice in chunk.choices:
             if choice.finish_reason:
                 finish[choice.index] = choice.finish_reason
             for d in choice.delta.tool_calls or ():
-                entry = calls.setdefault(choice.index, {}).setdefault(d.index, {"name": "", "arguments": ""})
-                if d.id:
-                    assert d.id.startswith("call_") and "id" not in entry
-                    entry["id"] = d.id
-                entry["name"] += d.function.name or ""
+                entry = calls.setdefault(choice.index, {}).get(d.index)
+                if entry is None:  # OpenAI's first delta of a call: index, id, type and the whole name
+                    assert d.id.startswith("call_") and d.type == "function" and d.function.name, d
+                    entry = calls[choice.index][d.index] = {"name": d.function.name, "arguments": ""}
+                else:
+                    assert d.id is None and not d.function.name, d
+                    num_argument_chunks += 1
                 entry["arguments"] += d.function.arguments or ""
     assert set(finish.values()) == {"tool_calls"}
-    return {i: [(c["name"], c["arguments"]) for _, c in sorted(v.items())] for i, v in calls.items()}
+    return {i: [(c["name"], c["arguments"]) for _, c in sorted(v.items())] for i, v in calls.items()}, \
+        num_argument_chunks
 
 
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
@@ -104,7 +109,38 @@ def test_streamed_tool_calls_assemble_to_the_non_streamed_ones(oai, model, tool_
     _check_calls(whole.choices)
     expected = {c.index: [(t.function.name, t.function.arguments) for t in c.message.tool_calls]
                 for c in whole.choices}
-    assert _assemble(oai.chat.completions.create(stream=True, **kwargs)) == expected
+    streamed, num_argument_chunks = _assemble(oai.chat.completions.create(stream=True, **kwargs))
+    assert streamed == expected
+    assert num_argument_chunks > 3 * len(expected)  # the arguments arrive token by token
+
+
+SLOTS = {"type": "function", "function": {
+    "name": "book_slots", "description": "Book up to two hourly slots in a store",
+    "parameters": {"type": "object", "$defs": {
+        "hour": {"type": "integer", "minimum": 8, "maximum": 20},
+        "slot": {"type": "object", "properties": {"hour": {"$ref": "#/$defs/hour"}, "staff": {"enum": ["a", "b"]}},
+                 "required": ["hour", "staff"]}},
+        "properties": {"store": {"type": "integer", "minimum": 1, "maximum": 99},
+                       "slots": {"type": "array", "items": {"$ref": "#/$defs/slot"}, "minItems": 1, "maxItems": 2},
+                       "backup": {"$ref": "#/properties/slots/items"}},
+        "required": ["store", "slots", "backup"]}}}
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "book_slots"}}])
+def test_tool_parameters_with_refs_and_defs(oai, model, tool_choice):
+    # Under "required" the tools' schemas sit inside an array of calls, so their "#/..." references must be
+    # moved along with them (server/tool_calls.py); a named tool's schema is the root and resolves as given.
+    out = oai.chat.completions.create(model=model, messages=ASK, tools=[VISITORS, SLOTS], tool_choice=tool_choice,
+                                      temperature=1.0, seed=5, n=4, max_tokens=MAX_TOKENS,
+                                      parallel_tool_calls=False)
+    schemas = {**SCHEMAS, "book_slots": SLOTS["function"]["parameters"]}
+    names = set()
+    for choice in out.choices:
+        assert choice.finish_reason == "tool_calls", (choice.finish_reason, choice.message)
+        for call in choice.message.tool_calls:
+            jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+            names.add(call.function.name)
+    assert "book_slots" in names
 
 
 def test_tool_history_renders_and_auto_answers(oai, model):
@@ -173,6 +209,31 @@ def test_hermes_parser():
     assert parsed.content == "Sure." and json.loads(parsed.tool_calls[0].function.arguments) == {"store": 12}
     assert parse_hermes("<tool_call>{broken</tool_call>", names).tool_calls == []
     assert parse_hermes('<tool_call>{"name": "other", "arguments": {}}</tool_call>', names).tool_calls == []
+
+
+def test_required_call_array_scanner_streams_pieces_that_join_to_the_whole():
+    import random
+
+    from pagedserve.server.tool_array import CallArrayScanner, split_calls
+
+    calls = [{"name": "get_weather", "arguments": {"city": "q\\\"}]{,", "x": [1, {"z": None}]}},
+             {"name": "get_visitors", "arguments": {}}, {"name": "n\u00e9", "arguments": 5}]
+    text = json.dumps(calls, ensure_ascii=False)
+    whole = [(c["name"], json.dumps(c["arguments"], ensure_ascii=False)) for c in calls]
+    assert split_calls(text) == whole
+    assert split_calls(text[:-1]) is None and split_calls("[]") is None and split_calls('{"a": 1}') is None
+    rng = random.Random(0)
+    for _ in range(20):  # any cut of the text into pieces gives the same calls, names first
+        scanner, got, i = CallArrayScanner(), {}, 0
+        while i < len(text):
+            piece = text[i:i + rng.randint(1, 6)]
+            i += len(piece)
+            for e in scanner.feed(piece):
+                if e.name is not None:
+                    assert e.index == len(got)
+                    got[e.index] = [e.name, ""]
+                got[e.index][1] += e.arguments
+        assert [tuple(v) for v in got.values()] == whole
 
 
 def test_auto_streaming_holds_back_the_tool_call_tag():

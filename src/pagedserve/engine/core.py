@@ -157,7 +157,8 @@ class EngineCore:
         self.runner = ModelRunner(loaded.model, kv_caches, bs, hf.vocab_size, device,
                                   config.scheduler.max_num_seqs, max_len, config.model.seed)
         # Grammar matchers live beside the scheduler; the runner masks logits with them before sampling.
-        self.structured_output = self.runner.structured_output = StructuredOutputManager(hf.vocab_size)
+        self.structured_output = self.runner.structured_output = StructuredOutputManager(
+            hf.vocab_size, config.scheduler.max_num_seqs)
         if num_host_blocks:
             self.runner.host_caches = allocate_host_caches(hf.num_hidden_layers, num_host_blocks, bs,
                                                            num_kv_heads, head_dim, kv_dtype, device)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from pagedserve.sampling_params import StructuredOutputsParams
 from pagedserve.server.protocol import ChatCompletionRequest, FunctionCall, ToolCall
+from pagedserve.server.tool_array import split_calls
 
 HERMES_START, HERMES_END = "<tool_call>", "</tool_call>"
 _HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
@@ -35,13 +36,52 @@ def tool_grammar(req: ChatCompletionRequest) -> StructuredOutputsParams | None:
     tools = {t.function.name: t.function.parameters or _EMPTY_PARAMETERS for t in req.tools or ()}
     if mode == "named":
         return StructuredOutputsParams(json=tools[req.tool_choice.function.name])
-    calls = [{"type": "object", "properties": {"name": {"const": name}, "arguments": params},
+    defs: dict = {}
+    calls = [{"type": "object", "properties": {"name": {"const": name}, "arguments": _hoisted(name, params, defs)},
               "required": ["name", "arguments"]} for name, params in tools.items()]
     item = calls[0] if len(calls) == 1 else {"anyOf": calls}
     schema = {"type": "array", "items": item, "minItems": 1}
+    if defs:
+        schema["$defs"] = defs
     if req.parallel_tool_calls is False:
         schema["maxItems"] = 1
     return StructuredOutputsParams(json=schema)
+
+
+def _hoisted(name: str, params: object, defs: dict) -> object:
+    """params, moved under the combined schema's $defs when it uses $ref, so its references still resolve.
+
+    A tool's "$ref": "#/$defs/X" means its own root; inside the array of calls the root is the array. So the
+    tool's schema becomes $defs[name] (its own $defs / definitions become $defs["name.X"]) and every local
+    reference is rewritten to match: "#" -> "#/$defs/name", "#/$defs/X/..." -> "#/$defs/name.X/...".
+    """
+    if not isinstance(params, dict) or '"$ref"' not in json.dumps(params):
+        return params
+    prefix = name.replace("~", "~0").replace("/", "~1")  # name as a JSON pointer token
+    body = dict(params)
+    own_defs = {**(body.pop("definitions", None) or {}), **(body.pop("$defs", None) or {})}
+
+    def rewrite(node: object) -> object:
+        if isinstance(node, list):
+            return [rewrite(x) for x in node]
+        if not isinstance(node, dict):
+            return node
+        out = {k: rewrite(v) for k, v in node.items()}
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#"):
+            path = ref[1:]
+            for section in ("/$defs/", "/definitions/"):
+                if path.startswith(section):
+                    out["$ref"] = f"#/$defs/{prefix}.{path[len(section):]}"
+                    break
+            else:
+                out["$ref"] = f"#/$defs/{prefix}{path}"
+        return out
+
+    defs[name] = rewrite(body)
+    for def_name, sub in own_defs.items():
+        defs[f"{name}.{def_name}"] = rewrite(sub)
+    return {"$ref": f"#/$defs/{prefix}"}
 
 
 @dataclass(slots=True)
@@ -58,11 +98,9 @@ def _call(name: str, arguments: object) -> ToolCall:
 def parse_tool_calls(mode: str, text: str, tool_names: set[str]) -> ParsedMessage:
     """The message for a finished choice's text. Text that does not parse stays content."""
     if mode == "required":
-        try:
-            calls = json.loads(text)
-            return ParsedMessage(None, [_call(c["name"], c["arguments"]) for c in calls])
-        except (ValueError, TypeError, KeyError):
-            return ParsedMessage(text, [])
+        # The arguments stay the model's own text, as streamed (server/tool_array.py).
+        calls = split_calls(text)
+        return ParsedMessage(text, []) if calls is None else ParsedMessage(None, [_call(n, a) for n, a in calls])
     if mode == "auto":
         return parse_hermes(text, tool_names)
     return ParsedMessage(text, [])

@@ -2,14 +2,17 @@
 
 Streaming per tool_choice:
     named     the text is the call's arguments: a first delta with id, type and name, then arguments as they come
-    required  the text is a JSON array of calls: sent as whole calls once it is complete
+    required  the text is a JSON array of calls (server/tool_array.py): each call opens with a delta with id,
+              type and name, then its arguments as they come
     auto      content streams until "<tool_call>" may be starting; from there the text is held and parsed at the end
-A finish that cut the calls short (finish_reason "length") sends what was held as content.
+A finish that cut the calls short (finish_reason "length") sends what was held as content (named and required
+have sent their pieces already; the finish says "length").
 """
 from __future__ import annotations
 
 from pagedserve.server.protocol import (ChatCompletionRequest, ChatResponseMessage, DeltaFunctionCall,
                                         DeltaMessage, DeltaToolCall, FunctionCall, ToolCall)
+from pagedserve.server.tool_array import CallArrayScanner
 from pagedserve.server.tool_calls import HERMES_START, held_back, new_call_id, parse_tool_calls
 
 
@@ -40,15 +43,17 @@ class ToolStreamer:
         self.held = ""        # text not sent yet
         self.in_calls = False  # auto: "<tool_call>" was seen, everything from there is held
         self.call_id: str | None = None  # named: the call's id once its first delta went out
+        self.calls = CallArrayScanner()  # required: the calls read so far
+        self.text = ""  # required: everything, sent as content if it never turns into a call
 
     def delta(self, text: str, finish_reason: str | None) -> tuple[DeltaMessage, str | None]:
         if self.mode == "named":
             return self._named(text, finish_reason)
+        if self.mode == "required":
+            return self._required(text, finish_reason)
         self.held += text
         if finish_reason is not None:
             return self._finish(finish_reason)
-        if self.mode == "required":
-            return DeltaMessage(), None
         if not self.in_calls:  # auto
             start = self.held.find(HERMES_START)
             if start >= 0:
@@ -76,6 +81,20 @@ class ToolStreamer:
         else:
             return DeltaMessage(), finish
         return DeltaMessage(tool_calls=[call]), finish
+
+    def _required(self, text: str, finish_reason: str | None) -> tuple[DeltaMessage, str | None]:
+        self.text += text
+        calls = [DeltaToolCall(index=e.index, function=DeltaFunctionCall(arguments=e.arguments))
+                 if e.name is None else
+                 DeltaToolCall(index=e.index, id=new_call_id(), type="function",
+                               function=DeltaFunctionCall(name=e.name, arguments=e.arguments))
+                 for e in self.calls.feed(text)]
+        if finish_reason is None:
+            return DeltaMessage(tool_calls=calls or None), None
+        if not self.calls.names:  # nothing became a call: the text is the answer
+            return DeltaMessage(content=self.text or None), finish_reason
+        finish = finish_reason if finish_reason == "length" or not self.calls.complete else "tool_calls"
+        return DeltaMessage(tool_calls=calls or None), finish
 
     def _finish(self, finish_reason: str) -> tuple[DeltaMessage, str | None]:
         held, self.held = self.held, ""

@@ -105,9 +105,6 @@ class GrammarCompileService:
         return (f"the grammar did not compile within {self.timeout_s:g}s "
                 "(--structured-outputs-compile-timeout); simplify the schema")
 
-    def tokenizer_info(self) -> Any:
-        return self._get_compiler().tokenizer_info
-
     def _get_compiler(self) -> Any:
         with self._lock:
             if self._compiler is None:

@@ -6,8 +6,9 @@ break the schema. Those are refused by name instead.
 """
 from __future__ import annotations
 
-import json
 from typing import Any
+
+from pagedserve.config import json_object
 
 # Keywords xgrammar 0.2 does not turn into grammar rules.
 UNSUPPORTED_KEYWORDS = ("not", "if", "then", "else", "uniqueItems", "contains", "minContains", "maxContains",
@@ -20,14 +21,7 @@ _MAP = ("properties", "$defs", "definitions")
 
 
 def load_schema(schema: str | dict) -> dict:
-    if isinstance(schema, str):
-        try:
-            schema = json.loads(schema)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"the JSON schema is not valid JSON: {e}") from e
-    if not isinstance(schema, dict):
-        raise ValueError(f"a JSON schema must be an object, got {type(schema).__name__}")
-    return schema
+    return json_object(schema, "the JSON schema")
 
 
 def check_schema(schema: dict) -> None:

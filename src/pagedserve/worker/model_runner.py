@@ -157,7 +157,7 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[torch.tensor(sample_idx, device=hidden.device)])
         if not self.driver:
             return ModelRunnerOutput([], [])
-        if self.structured_output is not None:
+        if self.structured_output is not None and self.structured_output.matchers:
             # One logits row per sampled position; requests under a grammar get no drafts (the engine core
             # skips them), so their only row is their last one and draft rows are never masked.
             row_req_ids = [rid if j == len(d) else ""
