@@ -35,7 +35,7 @@ from pagedserve.attention.kv_quant import storage_dtype
 from pagedserve.model.dtypes import resolve_dtype
 from pagedserve.model.loader import load_model
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.spec_decode.draft_model import DraftModel, check_same_vocab
+from pagedserve.spec_decode.draft_model import DraftModel, check_same_vocab, load_draft
 from pagedserve.spec_decode.proposer import make_proposer
 from pagedserve.structured_output.manager import StructuredOutputManager
 from pagedserve.worker.kv_cache import allocate_host_caches, allocate_kv_caches, kv_bytes_per_block
@@ -184,7 +184,7 @@ class EngineCore:
         # of the pool the memory plan sized for the target.
         spec = self.config.speculative
         draft_dtype = getattr(torch, spec.dtype) if spec.dtype else dtype
-        loaded = load_model(spec.model, device, draft_dtype, self.config.model.attention_backend,
+        loaded = load_draft(spec, device, draft_dtype, self.config.model.attention_backend,
                             self.config.model.tokenizer)
         check_same_vocab(target, loaded)
         drafter = DraftModel(loaded, spec.num_speculative_tokens, num_blocks, self.config.cache.block_size,
@@ -194,8 +194,8 @@ class EngineCore:
             drafter.host_caches = allocate_host_caches(
                 hf.num_hidden_layers, num_host_blocks, self.config.cache.block_size, hf.num_key_value_heads,
                 drafter.head_dim, draft_dtype, device)
-        logger.info("draft model %s (%s), %d speculative tokens", loaded.model_name, draft_dtype,
-                    spec.num_speculative_tokens)
+        logger.info("draft model %s (%s, quantization %s), %d speculative tokens", loaded.model_name,
+                    draft_dtype, loaded.quantization, spec.num_speculative_tokens)
         return drafter
 
     def shutdown(self) -> None:

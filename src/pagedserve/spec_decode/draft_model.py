@@ -14,13 +14,32 @@ that distribution q goes to the rejection sampler, which keeps the output exactl
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import torch
 
 from pagedserve.attention.metadata import AttentionMetadata
-from pagedserve.model.loader import LoadedModel
-from pagedserve.sample.sampler import draw
+from pagedserve.config import SpeculativeConfig
+from pagedserve.model.loader import LoadedModel, load_model
+from pagedserve.model.weight_quant import apply_quantization, resolve_quantization
+from pagedserve.sample.sampler import SamplingBatch, draw, random_probs
 from pagedserve.worker.kv_cache import allocate_kv_caches
+
+
+def load_draft(spec: SpeculativeConfig, device: torch.device, dtype: torch.dtype, attn_backend: str,
+               tokenizer: str | None) -> LoadedModel:
+    # "int8" on a GGUF file: dense fp32 first, then every weight requantized to Q8_0 blocks. On CPUs where
+    # the Q8_0 kernel is much faster than Q4_1's (AVX2 without AVX-512: benchmarks/README.md, "Speculative
+    # decoding") this is a self-draft several times cheaper than the target it approximates.
+    requantize = spec.quantization == "int8" and not os.path.isdir(os.path.expanduser(spec.model))
+    loaded = load_model(spec.model, device, dtype, attn_backend, tokenizer,
+                        quantization="none" if requantize else spec.quantization)
+    if requantize:
+        resolve_quantization("int8", False, dtype, device)  # ValueError where the block kernels cannot run
+        apply_quantization(loaded.model, "int8")
+        loaded.quantization = "int8"
+    return loaded
 
 
 def check_same_vocab(target: LoadedModel, draft: LoadedModel) -> None:
@@ -56,10 +75,11 @@ class DraftModel:
         self.model(input_ids, positions, self.kv_caches, meta)
 
     def propose(self, last_token_ids: list[int], positions: list[int], tables: list[np.ndarray],
-                temperatures: list[float], generators: list[torch.Generator]
-                ) -> tuple[list[list[int]], list[torch.Tensor]]:
-        """Per row: the token at `positions[i]` (not yet in any K/V) and the row's allocated block ids.
-        Returns k draft tokens per row and their draft distributions q, [k, V] per row."""
+                sampling: SamplingBatch) -> tuple[list[list[int]], list[torch.Tensor] | None]:
+        """Per row: the token at `positions[i]` (not yet in any K/V) and the row's allocated block ids;
+        `sampling` holds each row's temperature / top-k / top-p / min-p (SamplingBatch.build_distribution).
+        Returns k draft tokens per row and their draft distributions q, [k, V] per row (None when every row
+        is greedy: greedy verification only compares with the argmax)."""
         num_rows, k, bs = len(last_token_ids), self.k, self.block_size
         pos = np.asarray(positions, dtype=np.int64)
         width = int((pos.max() + k - 1) // bs) + 1
@@ -69,30 +89,36 @@ class DraftModel:
             table[i, :n] = blocks[:n]
             scratch = self.num_blocks + i * self.num_scratch
             table[i, n:] = scratch + np.arange(width - n) % self.num_scratch
+        # Every step's slots and lengths at once: the loop below only slices them.
+        steps = pos[None, :] + np.arange(k)[:, None]                                # [k, rows]
+        slots = torch.from_numpy(table[np.arange(num_rows)[None, :], steps // bs] * bs + steps % bs)
+        seq_lens = torch.from_numpy(steps + 1)
+        positions_t = torch.from_numpy(steps)
+        seq_lens_lists = (steps + 1).tolist()
         dev = self.device
-        temps = torch.tensor(temperatures, dtype=torch.float32, device=dev)
-        greedy = temps <= 0.0
         tokens = torch.tensor(last_token_ids, dtype=torch.long, device=dev)
         qsl = torch.arange(num_rows + 1, device=dev)
         table_t = torch.from_numpy(table).to(dev)
-        rows = np.arange(num_rows)
+        query_lens = [1] * num_rows
+        greedy = None if sampling.all_greedy else (
+            sampling.is_greedy if sampling.is_greedy is not None else torch.zeros(num_rows, dtype=torch.bool))
         drafts, probs = [], []
         for j in range(k):
-            p = pos + j
-            seq_lens = p + 1
-            slots = table[rows, p // bs] * bs + p % bs
             meta = AttentionMetadata(
-                slot_mapping=torch.from_numpy(slots).to(dev), block_tables=table_t,
-                seq_lens=torch.from_numpy(seq_lens).to(dev), query_start_loc=qsl,
-                seq_lens_list=seq_lens.tolist(), query_lens_list=[1] * num_rows, block_size=bs)
-            hidden = self.model(tokens, torch.from_numpy(p).to(dev), self.kv_caches, meta)
-            logits = self.model.compute_logits(hidden).float()
-            q = (logits / temps.clamp(min=1e-5).unsqueeze(1)).softmax(dim=-1)
-            argmax = logits.argmax(dim=-1)
-            q = torch.where(greedy.unsqueeze(1), torch.nn.functional.one_hot(argmax, q.shape[1]).float(), q)
-            tokens = torch.where(greedy, argmax, draw(q, generators)) if not bool(greedy.all()) else argmax
+                slot_mapping=slots[j].to(dev), block_tables=table_t, seq_lens=seq_lens[j].to(dev),
+                query_start_loc=qsl, seq_lens_list=seq_lens_lists[j], query_lens_list=query_lens, block_size=bs)
+            hidden = self.model(tokens, positions_t[j].to(dev), self.kv_caches, meta)
+            logits = self.model.compute_logits(hidden)
+            tokens = logits.argmax(dim=-1)
+            if greedy is not None:
+                # The request's own distribution (temperature, top-k, top-p, min-p), as the target samples:
+                # the closer q is to p, the more drafts are accepted; exactness needs only q as drawn from.
+                q = random_probs(logits.float(), sampling)
+                q = torch.where(greedy.unsqueeze(1), torch.nn.functional.one_hot(tokens, q.shape[1]).to(q.dtype), q)
+                tokens = torch.where(greedy, tokens, draw(q, sampling.generators))
+                probs.append(q)
             drafts.append(tokens)
-            probs.append(q)
         draft_ids = torch.stack(drafts, dim=1).tolist()
-        q_rows = torch.stack(probs, dim=1)
-        return draft_ids, list(q_rows.unbind(0))
+        if greedy is None:
+            return draft_ids, None
+        return draft_ids, list(torch.stack(probs, dim=1).unbind(0))

@@ -57,7 +57,8 @@ class ModelRunner:
         # steps whose batch is too large for drafts to pay; the draft still catches up on every step.
         self.drafter: DraftModel | None = None
         self.propose_drafts = True
-        self.draft_probs: dict[str, torch.Tensor] = {}  # the proposed drafts' q rows, [k, V] per request
+        # The proposed drafts' q rows, [k, V] per request; None where the step drafted greedily.
+        self.draft_probs: dict[str, torch.Tensor | None] = {}
 
     def _make_generator(self, seed: int) -> torch.Generator:
         return make_generator(seed, self.device)
@@ -179,7 +180,13 @@ class ModelRunner:
         # drafts short, never reordered them, so its first rows are the ones.
         if self.drafter is None:
             return None
-        return torch.cat([self.draft_probs[r][:len(d)] for r, d in zip(req_ids, drafts) if d])
+        q = [(self.draft_probs[r], len(d)) for r, d in zip(req_ids, drafts) if d]
+        if all(rows is None for rows, _ in q):
+            return None  # every draft greedy (a greedy request is verified against the argmax only)
+        # A greedy request proposed beside random ones has one-hot rows; alone it had none: one-hot them.
+        return torch.cat([rows[:n] if rows is not None else
+                          torch.nn.functional.one_hot(torch.tensor(d, device=self.device), self.vocab_size).float()
+                          for (rows, n), d in zip(q, [d for d in drafts if d])])
 
     def _propose(self, step: StepInputs, out: ModelRunnerOutput) -> None:
         # Each sampled request's next token sits at position seq_len - drafts + accepted; the draft model
@@ -200,13 +207,13 @@ class ModelRunner:
             return
         states = [batch.requests[r] for r, _, _ in rows]
         tables = [batch.block_table[s.row, :batch.num_blocks[s.row]] for s in states]
-        temps = [0.0 if s.params.is_greedy else s.params.temperature for s in states]
-        gens = [self.generator if s.generator is None else s.generator for s in states]
-        ids, q = self.drafter.propose([t for _, _, t in rows], [p for _, p, _ in rows], tables, temps, gens)
-        for (req_id, _, _), d, q_rows in zip(rows, ids, q):
+        sampling = SamplingBatch.build_distribution(
+            [s.params for s in states], [self.generator if s.generator is None else s.generator for s in states],
+            self.vocab_size, self.device)
+        ids, q = self.drafter.propose([t for _, _, t in rows], [p for _, p, _ in rows], tables, sampling)
+        for i, ((req_id, _, _), d) in enumerate(zip(rows, ids)):
             out.draft_token_ids[req_id] = d
-            self.draft_probs[req_id] = q_rows
-
+            self.draft_probs[req_id] = None if q is None else q[i]
 
 def verify_output(req_ids: list[str], drafts: list[list[int]], logits: torch.Tensor, batch: SamplingBatch,
                   prompt_logprobs, draft_probs: torch.Tensor | None = None) -> ModelRunnerOutput:
