@@ -38,6 +38,10 @@ from pagedserve.sampling_params import SamplingParams
 from pagedserve.worker.kv_cache import allocate_kv_caches
 
 
+def draft_dtype(spec: SpeculativeConfig, target_dtype: torch.dtype) -> torch.dtype:
+    return target_dtype if spec.dtype in (None, "auto") else getattr(torch, spec.dtype)
+
+
 def load_draft(spec: SpeculativeConfig, device: torch.device, dtype: torch.dtype, attn_backend: str,
                tokenizer: str | None) -> LoadedModel:
     # "int8" on a GGUF file: dense fp32 first, then every weight requantized to Q8_0 blocks. On CPUs where
