@@ -32,3 +32,14 @@ def test_engine_budget_includes_the_draft_kv(tiny):  # noqa: F811
     caches = core.runner.kv_caches + core.runner.drafter.kv_caches
     assert sum(c.numel() * c.element_size() for c in caches) <= budget
     assert core.runner.drafter.kv_caches[0].shape[1] == 816 + 16
+
+
+def test_pagedserve_plan_counts_the_draft_like_the_engine(tiny):  # noqa: F811
+    from pagedserve.plan import DraftPlan, plan, read_shape
+
+    # The same numbers as the engine test above: 816 blocks of 4 tokens.
+    p = plan(read_shape(tiny["target"]), (1 << 20) / (1 << 30), None, 4, "float32", [16],
+             DraftPlan(read_shape(tiny["draft"]), "bfloat16", 4, 8))
+    assert p["budget_blocks"] == 816 and p["draft"]["scratch_blocks"] == 16
+    assert plan(read_shape(tiny["target"]), (1 << 20) / (1 << 30), None, 4, "float32", [16])["budget_blocks"] == 1024
+    assert p["kv_bytes_per_token"] == 2 * 2 * 16 * 4 and p["draft"]["kv_bytes_per_token"] == 2 * 1 * 16 * 2
