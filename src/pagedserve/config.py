@@ -151,6 +151,10 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 3          # ngram: longest suffix tried first
     model: str | None = None            # draft_model: GGUF file or HF directory
     dtype: str | None = None            # draft_model: the draft's dtype (a cheaper copy); None = the target's
+    # draft_model: the draft's weight format (--quantization's values). "int8" also takes a GGUF file: its
+    # weights are requantized to Q8_0 blocks, an approximation a draft may be (the rejection sampler keeps the
+    # output the target's). None: as the target's default (gguf blocks for a GGUF file).
+    quantization: str | None = None
     # No drafts in a step whose running batch holds more requests than this (vLLM V0's
     # speculative_disable_by_batch_size); None = never off.
     disable_by_batch_size: int | None = SPEC_DISABLE_BY_BATCH_SIZE
@@ -168,6 +172,9 @@ class SpeculativeConfig:
             raise ValueError("speculative method 'draft_model' needs 'model' (the draft's path)")
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"speculative dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"speculative quantization must be one of {', '.join(QUANTIZATIONS)}, "
+                             f"got {self.quantization!r}")
         if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
             raise ValueError(f"disable_by_batch_size must be >= 1, got {self.disable_by_batch_size}")
 

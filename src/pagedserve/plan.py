@@ -135,15 +135,35 @@ def uniform_expectation(budget_tokens: int, context: int, block_size: int) -> di
             "contiguous_seqs": budget_tokens // context, "contiguous_waste": 1 - mean_len / context}
 
 
+@dataclass(frozen=True, slots=True)
+class DraftPlan:
+    # --speculative-config's draft_model: its KV cache shares the budget (worker/memory.py does the same).
+    shape: KVShape
+    dtype: str
+    num_speculative_tokens: int
+    max_num_seqs: int
+
+
 def plan(shape: KVShape, memory_gib: float, context: int | None, block_size: int, dtype: str,
-         seq_lens: list[int] | None) -> dict:
-    if dtype.lower() not in DTYPE_BYTES:
+         seq_lens: list[int] | None, draft: DraftPlan | None = None) -> dict:
+    if dtype.lower() not in DTYPE_BYTES or (draft and draft.dtype.lower() not in DTYPE_BYTES):
         raise ValueError(f"unknown --dtype {dtype!r}; one of {', '.join(DTYPE_BYTES)}")
     if memory_gib <= 0 or block_size < 1:
         raise ValueError("--memory-gib must be > 0 and --block-size >= 1")
     context = context or shape.max_context or 4096
     per_token = _per_token(shape, dtype.lower())
-    budget_tokens = int(memory_gib * GIB) // per_token
+    budget_bytes = int(memory_gib * GIB)
+    draft_info = None
+    if draft is not None:
+        from pagedserve.spec_decode.draft_model import num_scratch_blocks
+
+        # Every target block has a draft block beside it; scratch blocks per sequence come off the top.
+        draft_per_token = _per_token(draft.shape, draft.dtype.lower())
+        scratch = draft.max_num_seqs * num_scratch_blocks(draft.num_speculative_tokens, block_size)
+        budget_bytes -= scratch * block_size * draft_per_token
+        draft_info = {"model": asdict(draft.shape), "dtype": draft.dtype, "kv_bytes_per_token": draft_per_token,
+                      "scratch_blocks": scratch}
+    budget_tokens = max(budget_bytes, 0) // (per_token + (draft_info["kv_bytes_per_token"] if draft else 0))
     budget_tokens -= budget_tokens % block_size  # the pool holds whole blocks only
     if seq_lens and max(seq_lens) > context:
         raise ValueError(f"--seq-len {max(seq_lens)} exceeds the context of {context} tokens")
@@ -152,7 +172,7 @@ def plan(shape: KVShape, memory_gib: float, context: int | None, block_size: int
             "context": context, "kv_bytes_per_token": per_token, "budget_tokens": budget_tokens,
             "budget_blocks": budget_tokens // block_size,
             "lengths": [asdict(length_row(n, budget_tokens, context, block_size)) for n in lens],
-            "uniform_lengths": uniform_expectation(budget_tokens, context, block_size)}
+            "uniform_lengths": uniform_expectation(budget_tokens, context, block_size), "draft": draft_info}
 
 
 def format_plan(p: dict) -> str:
@@ -162,6 +182,9 @@ def format_plan(p: dict) -> str:
     lines = [f"model          {m['name']}: {m['num_layers']} layers, {m['num_kv_heads']} KV heads x head_dim {m['head_dim']}",
              f"KV per token   2 x {m['num_layers']} x {m['num_kv_heads']} x {row} ({p['dtype']}) = "
              f"{p['kv_bytes_per_token']:,} B ({p['kv_bytes_per_token'] / 1024:.1f} KiB)",
+             *([f"draft model    {p['draft']['model']['name']} ({p['draft']['dtype']}): "
+                f"{p['draft']['kv_bytes_per_token']:,} B per token beside each target token, "
+                f"{p['draft']['scratch_blocks']:,} scratch blocks; both inside the budget"] if p.get("draft") else []),
              f"KV budget      {p['memory_gib']:g} GiB = {p['budget_tokens']:,} tokens = {p['budget_blocks']:,} blocks "
              f"of {p['block_size']}",
              f"context        {p['context']:,} tokens (what a contiguous allocator reserves per sequence)", "",
@@ -187,6 +210,12 @@ def add_plan_parser(subparsers) -> None:
                    help="KV element type (default float32; int8 and fp8_e4m3 as the engine stores them, with "
                         "scales)")
     p.add_argument("--seq-len", type=int, nargs="+", default=None, help="lengths to tabulate")
+    p.add_argument("--draft-model", default=None,
+                   help="a draft_model speculative config's draft (GGUF, HF directory or config.json): its KV "
+                        "cache shares the budget, as in the engine")
+    p.add_argument("--draft-dtype", default="float32", help="the draft's dtype (its KV element type)")
+    p.add_argument("--num-speculative-tokens", type=int, default=3)
+    p.add_argument("--max-num-seqs", type=int, default=64, help="sequences the draft keeps scratch blocks for")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=cmd_plan)
 
@@ -194,6 +223,9 @@ def add_plan_parser(subparsers) -> None:
 def cmd_plan(args: argparse.Namespace) -> int:
     if args.seq_len and min(args.seq_len) < 1:
         raise ValueError("--seq-len values must be >= 1")
-    result = plan(read_shape(args.model), args.memory_gib, args.context, args.block_size, args.dtype, args.seq_len)
+    draft = None if args.draft_model is None else DraftPlan(
+        read_shape(args.draft_model), args.draft_dtype, args.num_speculative_tokens, args.max_num_seqs)
+    result = plan(read_shape(args.model), args.memory_gib, args.context, args.block_size, args.dtype, args.seq_len,
+                  draft)
     print(json.dumps(result, indent=2) if args.json else format_plan(result))
     return 0

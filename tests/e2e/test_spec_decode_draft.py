@@ -13,7 +13,8 @@ def test_self_draft_of_the_embedded_model_is_exact_and_accepted(llm):
     prompts = table_prompts(4)
     params = SamplingParams(temperature=0.0, max_tokens=10)
     off = llm.generate(prompts, params, use_tqdm=False)
-    spec_llm = LLM(kv_cache_memory_bytes=KV_BYTES // 4, max_num_batched_tokens=256, max_num_seqs=8,
+    # The budget holds the draft's KV cache too (the same size as the target's here).
+    spec_llm = LLM(kv_cache_memory_bytes=KV_BYTES // 2, max_num_batched_tokens=256, max_num_seqs=8,
                    speculative_config=draft_config(default_model_path(), k=3))
     on = spec_llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in on] == [o.outputs[0].token_ids for o in off]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 import transformers
 
 from pagedserve import LLM, SamplingParams
@@ -61,3 +62,37 @@ def test_unrelated_tiny_draft_keeps_greedy_output_exact(tiny):
 def test_draft_with_another_vocabulary_is_refused(tiny):
     with pytest.raises(ValueError, match="vocabulary"):
         LLM(model=tiny["target"], kv_cache_memory_bytes=1 << 20, speculative_config=draft_config(tiny["other_vocab"]))
+
+
+def test_draft_samples_with_the_requests_top_k_and_top_p(tiny):
+    # q is the request's own distribution (temperature, top-k, top-p), so a self-draft is accepted nearly
+    # always even when top-k / top-p cut the target's distribution; a full-softmax q would mostly be rejected.
+    llm = LLM(model=tiny["target"], kv_cache_memory_bytes=1 << 20, max_num_seqs=4, block_size=4,
+              speculative_config=draft_config(tiny["target"], k=3))
+    drafter = llm.llm_engine.core.runner.drafter
+    seen = []
+    real_step = drafter.step
+
+    def recording_step(rows):  # the real step, its q rows kept for the checks below
+        ids, q = real_step(rows)
+        seen.extend((ids[r], q[r]) for r in ids)
+        return ids, q
+
+    drafter.step = recording_step
+    prompts = [{"prompt_token_ids": [5 + i, 17, 300 + i, 42]} for i in range(4)]
+    for params, max_support in ((SamplingParams(temperature=1.0, top_k=3, max_tokens=12, seed=1), 3),
+                                (SamplingParams(temperature=0.7, top_p=0.2, max_tokens=12, seed=2), None)):
+        seen.clear()
+        before = llm.llm_engine.core.stats.spec
+        drafts, accepted = before.num_draft_tokens, before.num_accepted_tokens
+        llm.generate(prompts, params, use_tqdm=False)
+        assert seen
+        for ids, q in seen:
+            support = (q > 0).sum(dim=-1)
+            assert bool((q.gather(1, torch.tensor(ids).unsqueeze(1)) > 0).all())  # drawn from q
+            if max_support is not None:
+                assert int(support.max()) <= max_support
+            else:
+                assert int(support.max()) < q.shape[1] // 10  # top-p cut the tail
+        spec = llm.llm_engine.core.stats.spec
+        assert (spec.num_accepted_tokens - accepted) / (spec.num_draft_tokens - drafts) > 0.9

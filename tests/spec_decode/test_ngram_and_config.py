@@ -39,6 +39,7 @@ def test_speculative_config_from_json_and_the_cli():
     ({"method": "draft_model"}, "needs 'model'"),
     ({"k": 3}, "unknown speculative_config keys"),
     ({"disable_by_batch_size": 0}, "disable_by_batch_size"),
+    ({"method": "draft_model", "model": "d.gguf", "quantization": "q2_k"}, "speculative quantization must be"),
 ])
 def test_bad_speculative_config_is_a_value_error(value, message):
     with pytest.raises(ValueError, match=message):

@@ -33,13 +33,14 @@ from pagedserve.metrics.stats import EngineStats, RequestStats
 from pagedserve import kv_dtypes
 from pagedserve.attention.kv_quant import storage_dtype
 from pagedserve.model.dtypes import resolve_dtype
-from pagedserve.model.loader import load_model
+from pagedserve.model.loader import load_model, read_config, resolve_model_dir
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.spec_decode.draft_model import DraftModel, check_same_vocab
+from pagedserve.spec_decode.draft_model import (DraftModel, check_same_vocab, draft_dtype, load_draft,
+                                                 num_scratch_blocks)
 from pagedserve.spec_decode.proposer import make_proposer
 from pagedserve.structured_output.manager import StructuredOutputManager
 from pagedserve.worker.kv_cache import allocate_host_caches, allocate_kv_caches, kv_bytes_per_block
-from pagedserve.worker.memory import plan_num_blocks
+from pagedserve.worker.memory import DraftKV, plan_num_blocks
 from pagedserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -142,14 +143,18 @@ class EngineCore:
         self.kv_bytes_per_token = kv_dtypes.bytes_per_token(kv_name, hf.num_hidden_layers, num_kv_heads, head_dim)
         logger.info("KV cache dtype %s: %d bytes per token (float32: %d)", kv_name, self.kv_bytes_per_token,
                     kv_dtypes.bytes_per_token("float32", hf.num_hidden_layers, num_kv_heads, head_dim))
-        num_blocks = plan_num_blocks(config.cache, hf.num_hidden_layers, num_kv_heads, head_dim, kv_dtype, device)
+        draft_kv = self._draft_kv(dtype)
+        num_blocks = plan_num_blocks(config.cache, hf.num_hidden_layers, num_kv_heads, head_dim, kv_dtype, device,
+                                     draft_kv)
         # max_model_len and the token budget are final only now: checked against the model and the pool.
         config = self.config = resolve_limits(config, loaded.max_model_len, num_blocks)
         max_len = self.max_model_len = config.model.max_model_len
         kv_caches = allocate_kv_caches(hf.num_hidden_layers, num_blocks, bs, num_kv_heads, head_dim, kv_dtype,
                                        device)
         per_block = kv_bytes_per_block(hf.num_hidden_layers, bs, num_kv_heads, head_dim, kv_dtype)
-        num_host_blocks = int(config.cache.swap_space_gib * (1 << 30)) // per_block
+        # The swap space holds the draft's copy of each swapped block as well.
+        num_host_blocks = int(config.cache.swap_space_gib * (1 << 30)) // (
+            per_block + (draft_kv.bytes_per_block if draft_kv else 0))
         if config.cache.preemption_mode == "swap" and num_host_blocks == 0:
             raise ValueError("preemption_mode='swap' needs swap_space > 0 (GiB of host memory)")
         self.kv = KVCacheManager(num_blocks, bs, config.cache.enable_prefix_caching, num_host_blocks)
@@ -179,24 +184,38 @@ class EngineCore:
         logger.info("loaded %s in %.1fs on %s; KV pool: %d blocks x %d tokens = %d tokens",
                     self.model_name, time.perf_counter() - t0, device, num_blocks, bs, num_blocks * bs)
 
+    def _draft_kv(self, dtype: torch.dtype) -> DraftKV | None:
+        # The draft model's KV bytes per mirrored block, from its config alone (before any weight loads):
+        # the memory plan counts them inside the KV budget.
+        spec = self.config.speculative
+        if spec is None or spec.method != "draft_model":
+            return None
+        hf = read_config(resolve_model_dir(spec.model)[0])
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        bs = self.config.cache.block_size
+        per_block = kv_bytes_per_block(hf.num_hidden_layers, bs, hf.num_key_value_heads, head_dim,
+                                       draft_dtype(spec, dtype))
+        return DraftKV(per_block, self.config.scheduler.max_num_seqs * num_scratch_blocks(
+            spec.num_speculative_tokens, bs))
+
     def _load_draft(self, target, num_blocks: int, num_host_blocks: int, device: torch.device,
                     dtype: torch.dtype) -> DraftModel:
-        # The draft's K/V mirrors the target's blocks (spec_decode/draft_model.py); its memory comes on top
-        # of the pool the memory plan sized for the target.
+        # The draft's K/V mirrors the target's blocks (spec_decode/draft_model.py); the memory plan counted
+        # it (_draft_kv).
         spec = self.config.speculative
-        draft_dtype = getattr(torch, spec.dtype) if spec.dtype else dtype
-        loaded = load_model(spec.model, device, draft_dtype, self.config.model.attention_backend,
+        dtype = draft_dtype(spec, dtype)
+        loaded = load_draft(spec, device, dtype, self.config.model.attention_backend,
                             self.config.model.tokenizer)
         check_same_vocab(target, loaded)
         drafter = DraftModel(loaded, spec.num_speculative_tokens, num_blocks, self.config.cache.block_size,
-                             self.config.scheduler.max_num_seqs, self.max_model_len, draft_dtype, device)
+                             self.config.scheduler.max_num_seqs, self.max_model_len, dtype, device)
         if num_host_blocks:
             hf = loaded.hf_config
             drafter.host_caches = allocate_host_caches(
                 hf.num_hidden_layers, num_host_blocks, self.config.cache.block_size, hf.num_key_value_heads,
-                drafter.head_dim, draft_dtype, device)
-        logger.info("draft model %s (%s), %d speculative tokens", loaded.model_name, draft_dtype,
-                    spec.num_speculative_tokens)
+                drafter.head_dim, dtype, device)
+        logger.info("draft model %s (%s, quantization %s), %d speculative tokens", loaded.model_name,
+                    dtype, loaded.quantization, spec.num_speculative_tokens)
         return drafter
 
     def shutdown(self) -> None:

@@ -83,18 +83,7 @@ class SamplingBatch:
         def vec(values, dtype=torch.float32):
             return torch.tensor(values, dtype=dtype, device=device)
 
-        if not batch.all_greedy:
-            if not batch.all_random:
-                batch.is_greedy = vec(greedy, torch.bool)
-            batch.temperature = vec([1.0 if g else p.temperature for g, p in zip(greedy, params)])
-            if any(p.top_k >= 1 for p in params):
-                ks = [min(p.top_k, vocab_size) if p.top_k >= 1 else 0 for p in params]
-                batch.top_k, batch.max_top_k = vec(ks, torch.int64), max(ks)
-            if any(p.top_p < 1.0 for p in params):
-                batch.top_p = vec([p.top_p for p in params])
-            if any(p.min_p > 0.0 for p in params):
-                batch.min_p = vec([p.min_p for p in params])
-
+        batch._build_distribution(params, vec)
         if any(p.has_penalties for p in params):
             batch._build_penalties(rows, device)
 
@@ -123,6 +112,31 @@ class SamplingBatch:
                     mask[i, vec(p.allowed_token_ids, torch.int64)] = True
             batch.allowed_mask = mask
         return batch
+
+    @classmethod
+    def build_distribution(cls, params: list[SamplingParams], generators: list[torch.Generator | None],
+                           vocab_size: int, device: torch.device | str) -> SamplingBatch:
+        # Temperature, top-k, top-p and min-p only (random_probs' inputs): what a draft model samples with.
+        greedy = [p.is_greedy for p in params]
+        batch = cls(num_rows=len(params), vocab_size=vocab_size, all_greedy=all(greedy),
+                    all_random=not any(greedy), generators=list(generators))
+        batch._build_distribution(params, lambda v, dtype=torch.float32: torch.tensor(v, dtype=dtype, device=device))
+        return batch
+
+    def _build_distribution(self, params: list[SamplingParams], vec) -> None:
+        if self.all_greedy:
+            return
+        greedy = [p.is_greedy for p in params]
+        if not self.all_random:
+            self.is_greedy = vec(greedy, torch.bool)
+        self.temperature = vec([1.0 if g else p.temperature for g, p in zip(greedy, params)])
+        if any(p.top_k >= 1 for p in params):
+            ks = [min(p.top_k, self.vocab_size) if p.top_k >= 1 else 0 for p in params]
+            self.top_k, self.max_top_k = vec(ks, torch.int64), max(ks)
+        if any(p.top_p < 1.0 for p in params):
+            self.top_p = vec([p.top_p for p in params])
+        if any(p.min_p > 0.0 for p in params):
+            self.min_p = vec([p.min_p for p in params])
 
     def _build_penalties(self, rows: list[SamplingRow], device: torch.device) -> None:
         n, v = self.num_rows, self.vocab_size

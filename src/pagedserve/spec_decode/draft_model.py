@@ -1,26 +1,60 @@
 """Draft-model speculation (vLLM's "draft_model" method): a second, smaller or cheaper model proposes k tokens.
 
 KV: the draft's paged pool mirrors the target's physical blocks (same block ids, same slots), so the KV
-manager allocates nothing for it. Every step the draft runs on exactly the tokens the target runs on, with
-the target's slot mapping (catch_up), so wherever the target's K/V is valid the draft's is too, prefix-cache
-hits included (the request that filled a cached block ran the draft on it as well).
+manager allocates nothing for it. Invariant: after every step the draft's K/V is valid at every position the
+target has verified (num_computed_tokens), prefix-cache hits included (the request that filled a cached
+block ran the draft on it as well).
 
-Proposing writes the draft's K/V for positions past the verified ones. Inside the request's last allocated
-block those slots are its own and are overwritten by the next step's catch-up; positions past its last
-allocated block go to scratch blocks appended after the mirrored ones, one set per proposing row.
+One step of the draft, after the target's step has verified its drafts (step()):
 
-Greedy requests draft the argmax (a one-hot q); random ones sample from softmax(logits / temperature), and
-that distribution q goes to the rejection sampler, which keeps the output exactly the target's either way.
+    position:   ... s ............ V-1 | V | V+1 ... V+k-1
+    first pass:     [L, V): catch-up   | bonus -> d1          (one forward, all rows)
+    next passes:                         d1 -> d2 ... -> dk   (k-1 single-token forwards, proposing rows)
+
+Proposing feeds the draft the tokens the next step verifies (bonus, d1 .. d_{k-1}) at their positions, so
+their K/V is already what a catch-up would compute: L skips every position whose proposed token was accepted
+and whose slot is still the same. A round costs k draft forwards, not k + 1: the catch-up of an accepted
+round is one token (dk, beside the bonus token). Positions past the request's allocated blocks go to scratch
+blocks after the mirrored ones (one set per proposing row) and are recomputed.
+
+Greedy requests draft the argmax; random ones sample from the request's own distribution (temperature,
+top-k, top-p, min-p), and that q goes to the rejection sampler, which keeps the output exactly the target's
+either way. A wrong draft K/V can only lower acceptance, never change the output.
 """
 from __future__ import annotations
+
+import os
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from pagedserve.attention.metadata import AttentionMetadata
-from pagedserve.model.loader import LoadedModel
-from pagedserve.sample.sampler import draw
+from pagedserve.config import SpeculativeConfig
+from pagedserve.model.loader import LoadedModel, load_model
+from pagedserve.model.weight_quant import apply_quantization, resolve_quantization
+from pagedserve.sample.sampler import SamplingBatch, draw, random_probs
+from pagedserve.sampling_params import SamplingParams
 from pagedserve.worker.kv_cache import allocate_kv_caches
+
+
+def draft_dtype(spec: SpeculativeConfig, target_dtype: torch.dtype) -> torch.dtype:
+    return target_dtype if spec.dtype in (None, "auto") else getattr(torch, spec.dtype)
+
+
+def load_draft(spec: SpeculativeConfig, device: torch.device, dtype: torch.dtype, attn_backend: str,
+               tokenizer: str | None) -> LoadedModel:
+    # "int8" on a GGUF file: dense fp32 first, then every weight requantized to Q8_0 blocks. On CPUs where
+    # the Q8_0 kernel is much faster than Q4_1's (AVX2 without AVX-512: benchmarks/README.md, "Speculative
+    # decoding") this is a self-draft several times cheaper than the target it approximates.
+    requantize = spec.quantization == "int8" and not os.path.isdir(os.path.expanduser(spec.model))
+    loaded = load_model(spec.model, device, dtype, attn_backend, tokenizer,
+                        quantization="none" if requantize else spec.quantization)
+    if requantize:
+        resolve_quantization("int8", False, dtype, device)  # ValueError where the block kernels cannot run
+        apply_quantization(loaded.model, "int8")
+        loaded.quantization = "int8"
+    return loaded
 
 
 def check_same_vocab(target: LoadedModel, draft: LoadedModel) -> None:
@@ -32,11 +66,33 @@ def check_same_vocab(target: LoadedModel, draft: LoadedModel) -> None:
         raise ValueError("the draft model's tokenizer vocabulary differs from the target's")
 
 
+@dataclass(slots=True)
+class DraftRow:
+    # One request of the target's step, as the draft sees it after verification.
+    req_id: str
+    blocks: np.ndarray              # the request's allocated block ids
+    start: int                      # num_computed_tokens when the step started
+    verified: int                   # num_computed_tokens after it (accepted drafts included)
+    token_ids: np.ndarray           # the tokens at positions [start, verified)
+    bonus: int | None = None        # the token sampled at `verified`; None = catch up only, no drafts
+    params: SamplingParams | None = None
+    generator: torch.Generator | None = None
+
+
+@dataclass(slots=True)
+class _Proposal:
+    # What the last proposal fed the draft at positions start, start + 1, ..., in real (not scratch) slots.
+    start: int
+    token_ids: np.ndarray
+    slots: np.ndarray
+
+
 class DraftModel:
     def __init__(self, loaded: LoadedModel, k: int, num_blocks: int, block_size: int, max_num_reqs: int,
                  max_model_len: int, dtype: torch.dtype, device: torch.device) -> None:
         hf = loaded.hf_config
         self.model = loaded.model
+        self.vocab_size = hf.vocab_size
         self.k = k
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -44,55 +100,124 @@ class DraftModel:
         self.device = device
         # Proposing reaches k positions past the step's last allocated slot: ceil(k / bs) + 1 scratch blocks
         # per row cover it wherever the row's last block ends.
-        self.num_scratch = -(-k // block_size) + 1
+        self.num_scratch = num_scratch_blocks(k, block_size)
         num_kv_heads = hf.num_key_value_heads
         head_dim = self.head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         self.kv_caches = allocate_kv_caches(hf.num_hidden_layers, num_blocks + max_num_reqs * self.num_scratch,
                                             block_size, num_kv_heads, head_dim, dtype, device)
         self.host_caches: list[torch.Tensor] = []
+        self._proposals: dict[str, _Proposal] = {}
 
-    def catch_up(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> None:
-        # The target's step, run through the draft: fills the draft's K/V at the same slots.
-        self.model(input_ids, positions, self.kv_caches, meta)
+    def forget(self, req_id: str) -> None:
+        self._proposals.pop(req_id, None)
 
-    def propose(self, last_token_ids: list[int], positions: list[int], tables: list[np.ndarray],
-                temperatures: list[float], generators: list[torch.Generator]
-                ) -> tuple[list[list[int]], list[torch.Tensor]]:
-        """Per row: the token at `positions[i]` (not yet in any K/V) and the row's allocated block ids.
-        Returns k draft tokens per row and their draft distributions q, [k, V] per row."""
-        num_rows, k, bs = len(last_token_ids), self.k, self.block_size
-        pos = np.asarray(positions, dtype=np.int64)
-        width = int((pos.max() + k - 1) // bs) + 1
-        table = np.empty((num_rows, width), dtype=np.int64)
-        for i, blocks in enumerate(tables):
-            n = min(len(blocks), width)
-            table[i, :n] = blocks[:n]
+    def _valid_until(self, row: DraftRow) -> int:
+        # First position in [start, verified) whose draft K/V must be computed now.
+        prop = self._proposals.get(row.req_id)
+        if prop is None or prop.start != row.start:
+            return row.start
+        n = min(len(prop.token_ids), row.verified - row.start)
+        pos = np.arange(row.start, row.start + n)
+        same = (prop.token_ids[:n] == row.token_ids[:n]) & (prop.slots[:n] == self._slots(row.blocks, pos))
+        return row.start + (n if same.all() else int(np.argmin(same)))
+
+    def _slots(self, table: np.ndarray, pos: np.ndarray) -> np.ndarray:
+        bs = self.block_size
+        return table[pos // bs] * bs + pos % bs
+
+    @torch.inference_mode()
+    def step(self, rows: list[DraftRow]) -> tuple[dict[str, list[int]], dict[str, torch.Tensor | None]]:
+        """Catches the draft's K/V up to each row's verified tokens and proposes k drafts for rows with a
+        bonus token. Returns the drafts and their distributions q ([k, V]; None for greedy rows)."""
+        k, dev = self.k, self.device
+        runs, proposing = [], []
+        for row in rows:
+            first = self._valid_until(row)
+            ids = row.token_ids[first - row.start:]
+            if row.bonus is not None:
+                ids = np.append(ids, row.bonus)
+                proposing.append(len(runs))
+            if len(ids):
+                runs.append((row, first, ids))
+        for row in rows:
+            self._proposals.pop(row.req_id, None)
+        if not runs:
+            return {}, {}
+        # One table per run: its blocks, then scratch blocks past them (proposing rows only write there).
+        ends = [first + len(ids) + (k - 1 if row.bonus is not None else 0) for row, first, ids in runs]
+        width = max((e - 1) // self.block_size + 1 for e in ends)
+        table = np.empty((len(runs), width), dtype=np.int64)
+        for i, (row, _, _) in enumerate(runs):
+            n = min(len(row.blocks), width)
+            table[i, :n] = row.blocks[:n]
             scratch = self.num_blocks + i * self.num_scratch
             table[i, n:] = scratch + np.arange(width - n) % self.num_scratch
-        dev = self.device
-        temps = torch.tensor(temperatures, dtype=torch.float32, device=dev)
-        greedy = temps <= 0.0
-        tokens = torch.tensor(last_token_ids, dtype=torch.long, device=dev)
+        query_lens = [len(ids) for _, _, ids in runs]
+        positions = np.concatenate([np.arange(first, first + len(ids)) for _, first, ids in runs])
+        seq_idx = np.repeat(np.arange(len(runs)), query_lens)
+        slots = table[seq_idx, positions // self.block_size] * self.block_size + positions % self.block_size
+        seq_lens = np.asarray([first + len(ids) for _, first, ids in runs], dtype=np.int64)
+        qsl = np.zeros(len(runs) + 1, dtype=np.int64)
+        np.cumsum(query_lens, out=qsl[1:])
+        as_tensor = lambda a: torch.from_numpy(a).to(dev)  # noqa: E731  (no copy on CPU)
+        meta = AttentionMetadata(
+            slot_mapping=as_tensor(slots), block_tables=as_tensor(table), seq_lens=as_tensor(seq_lens),
+            query_start_loc=as_tensor(qsl), seq_lens_list=seq_lens.tolist(), query_lens_list=query_lens,
+            block_size=self.block_size)
+        input_ids = as_tensor(np.concatenate([ids for _, _, ids in runs]).astype(np.int64))
+        hidden = self.model(input_ids, as_tensor(positions), self.kv_caches, meta)
+        if not proposing:
+            return {}, {}
+        last = torch.from_numpy(qsl[1:][proposing] - 1).to(dev)
+        prop_rows = [runs[i][0] for i in proposing]
+        ids, q = self._propose(hidden[last], table[proposing], seq_lens[proposing], prop_rows)
+        return ({r.req_id: d for r, d in zip(prop_rows, ids)},
+                {r.req_id: None if q is None else q[i] for i, r in enumerate(prop_rows)})
+
+    def _propose(self, hidden: torch.Tensor, table: np.ndarray, seq_lens: np.ndarray, rows: list[DraftRow]
+                 ) -> tuple[list[list[int]], torch.Tensor | None]:
+        # hidden: each row's state at its bonus token (position seq_len - 1); k - 1 more single-token passes.
+        k, bs, dev, num_rows = self.k, self.block_size, self.device, len(rows)
+        sampling = SamplingBatch.build_distribution([r.params for r in rows], [r.generator for r in rows],
+                                                    self.vocab_size, dev)
+        greedy = None if sampling.all_greedy else (
+            sampling.is_greedy if sampling.is_greedy is not None else torch.zeros(num_rows, dtype=torch.bool))
+        # Every later pass's positions, slots and lengths at once: the loop only slices them.
+        steps = seq_lens[None, :] + np.arange(k - 1)[:, None]                            # [k - 1, rows]
+        slots = torch.from_numpy(table[np.arange(num_rows)[None, :], steps // bs] * bs + steps % bs)
+        positions, lens = torch.from_numpy(steps), torch.from_numpy(steps + 1)
+        lens_lists = (steps + 1).tolist()
         qsl = torch.arange(num_rows + 1, device=dev)
         table_t = torch.from_numpy(table).to(dev)
-        rows = np.arange(num_rows)
+        query_lens = [1] * num_rows
         drafts, probs = [], []
         for j in range(k):
-            p = pos + j
-            seq_lens = p + 1
-            slots = table[rows, p // bs] * bs + p % bs
-            meta = AttentionMetadata(
-                slot_mapping=torch.from_numpy(slots).to(dev), block_tables=table_t,
-                seq_lens=torch.from_numpy(seq_lens).to(dev), query_start_loc=qsl,
-                seq_lens_list=seq_lens.tolist(), query_lens_list=[1] * num_rows, block_size=bs)
-            hidden = self.model(tokens, torch.from_numpy(p).to(dev), self.kv_caches, meta)
-            logits = self.model.compute_logits(hidden).float()
-            q = (logits / temps.clamp(min=1e-5).unsqueeze(1)).softmax(dim=-1)
-            argmax = logits.argmax(dim=-1)
-            q = torch.where(greedy.unsqueeze(1), torch.nn.functional.one_hot(argmax, q.shape[1]).float(), q)
-            tokens = torch.where(greedy, argmax, draw(q, generators)) if not bool(greedy.all()) else argmax
+            if j:
+                meta = AttentionMetadata(
+                    slot_mapping=slots[j - 1].to(dev), block_tables=table_t, seq_lens=lens[j - 1].to(dev),
+                    query_start_loc=qsl, seq_lens_list=lens_lists[j - 1], query_lens_list=query_lens,
+                    block_size=bs)
+                hidden = self.model(tokens, positions[j - 1].to(dev), self.kv_caches, meta)
+            logits = self.model.compute_logits(hidden)
+            tokens = logits.argmax(dim=-1)
+            if greedy is not None:
+                # The request's own distribution, as the target samples: the closer q is to p, the more
+                # drafts are accepted; exactness needs only q as drawn from.
+                q = random_probs(logits.float(), sampling)
+                q = torch.where(greedy.unsqueeze(1), torch.nn.functional.one_hot(tokens, q.shape[1]).to(q.dtype), q)
+                tokens = torch.where(greedy, tokens, draw(q, sampling.generators))
+                probs.append(q)
             drafts.append(tokens)
-            probs.append(q)
         draft_ids = torch.stack(drafts, dim=1).tolist()
-        q_rows = torch.stack(probs, dim=1)
-        return draft_ids, list(q_rows.unbind(0))
+        # Remember what was fed where (bonus, d1 .. d_{k-1}), in real slots only, for the next step's catch-up.
+        fed = np.column_stack([[r.bonus for r in rows]] + [[d[j] for d in draft_ids] for j in range(k - 1)])
+        for i, r in enumerate(rows):
+            pos = seq_lens[i] - 1 + np.arange(k)
+            real = int(np.searchsorted(pos // bs, len(r.blocks)))  # positions inside allocated blocks
+            self._proposals[r.req_id] = _Proposal(int(pos[0]), fed[i, :real].astype(np.int64),
+                                                  self._slots(r.blocks, pos[:real]))
+        return draft_ids, None if greedy is None else torch.stack(probs, dim=1)
+
+
+def num_scratch_blocks(k: int, block_size: int) -> int:
+    return -(-k // block_size) + 1

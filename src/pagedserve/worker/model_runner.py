@@ -13,7 +13,7 @@ import torch
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput, SpecDecodeOutput
 from pagedserve.sample.sampler import Sampler, SamplingBatch, SamplingRow, make_generator
-from pagedserve.spec_decode.draft_model import DraftModel
+from pagedserve.spec_decode.draft_model import DraftModel, DraftRow
 from pagedserve.spec_decode.rejection_sampler import rejection_sample
 from pagedserve.structured_output.manager import StructuredOutputManager
 from pagedserve.worker.input_batch import InputBatch
@@ -57,7 +57,8 @@ class ModelRunner:
         # steps whose batch is too large for drafts to pay; the draft still catches up on every step.
         self.drafter: DraftModel | None = None
         self.propose_drafts = True
-        self.draft_probs: dict[str, torch.Tensor] = {}  # the proposed drafts' q rows, [k, V] per request
+        # The proposed drafts' q rows, [k, V] per request; None where the step drafted greedily.
+        self.draft_probs: dict[str, torch.Tensor | None] = {}
 
     def _make_generator(self, seed: int) -> torch.Generator:
         return make_generator(seed, self.device)
@@ -108,6 +109,7 @@ class ModelRunner:
             apply_block_ops(plan.block_ops, self.drafter.kv_caches, self.drafter.host_caches)
             for req_id in plan.finished_req_ids:
                 self.draft_probs.pop(req_id, None)
+                self.drafter.forget(req_id)
 
     @torch.inference_mode()
     def execute_model(self, num_scheduled_tokens: dict[str, int]) -> ModelRunnerOutput:
@@ -117,8 +119,6 @@ class ModelRunner:
             return ModelRunnerOutput([], [])
         step = self.build_metadata(num_scheduled_tokens)
         hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta)
-        if self.drafter is not None:
-            self.drafter.catch_up(step.input_ids, step.positions, step.meta)
 
         # The LM head runs only on each sampled request's last token, plus every prompt row of requests that
         # asked for prompt logprobs (worker/prompt_logprobs.py).
@@ -153,7 +153,7 @@ class ModelRunner:
                 rows.append(SamplingRow(state.params, state.prompt_token_ids, out_ids, gen, state.eos_token_ids))
         prompt_logprobs = compute_prompt_logprobs(self.model, hidden, prompt_spans) if prompt_spans else None
         if not rows:
-            return ModelRunnerOutput([], [], prompt_logprobs=prompt_logprobs)
+            return self._run_drafter(step, ModelRunnerOutput([], [], prompt_logprobs=prompt_logprobs))
         logits = self.model.compute_logits(hidden[torch.tensor(sample_idx, device=hidden.device)])
         if not self.driver:
             return ModelRunnerOutput([], [])
@@ -170,43 +170,52 @@ class ModelRunner:
             s = self.sampler(logits, batch)
             out = ModelRunnerOutput(req_ids, s.sampled_token_ids, s.logprobs, s.top_logprobs, s.ranks,
                                     prompt_logprobs)
-        if self.drafter is not None and self.propose_drafts:
-            self._propose(step, out)
-        return out
+        return self._run_drafter(step, out)
 
     def _draft_q(self, req_ids: list[str], drafts: list[list[int]]) -> torch.Tensor | None:
         # The draft distributions of the drafts being verified; the scheduler may have cut a request's
         # drafts short, never reordered them, so its first rows are the ones.
         if self.drafter is None:
             return None
-        return torch.cat([self.draft_probs[r][:len(d)] for r, d in zip(req_ids, drafts) if d])
+        q = [(self.draft_probs[r], len(d)) for r, d in zip(req_ids, drafts) if d]
+        if all(rows is None for rows, _ in q):
+            return None  # every draft greedy (a greedy request is verified against the argmax only)
+        # A greedy request proposed beside random ones has one-hot rows; alone it had none: one-hot them.
+        return torch.cat([rows[:n] if rows is not None else
+                          torch.nn.functional.one_hot(torch.tensor(d, device=self.device), self.vocab_size).float()
+                          for (rows, n), d in zip(q, [d for d in drafts if d])])
 
-    def _propose(self, step: StepInputs, out: ModelRunnerOutput) -> None:
-        # Each sampled request's next token sits at position seq_len - drafts + accepted; the draft model
-        # drafts the k tokens after it. Rows too close to max_model_len draft nothing.
+    def _run_drafter(self, step: StepInputs, out: ModelRunnerOutput) -> ModelRunnerOutput:
+        # The draft model catches up on the step's verified tokens and drafts after each sampled token
+        # (spec_decode/draft_model.py). Its next token sits at seq_len - drafts + accepted; rows too close
+        # to max_model_len, and every row while propose_drafts is off, only catch up.
+        if self.drafter is None:
+            return out
         batch = self.input_batch
-        index = {r: i for i, r in enumerate(step.req_ids)}
+        sampled = {r: j for j, r in enumerate(out.req_ids)}
         k = self.drafter.k
         rows = []
-        for j, req_id in enumerate(out.req_ids):
-            i = index[req_id]
-            pos = int(step.starts[i]) + step.query_lens[i]
-            if out.spec is not None:
-                pos += len(out.spec.accepted_token_ids[j]) - out.spec.num_draft_tokens[j]
-            if pos + k <= self.drafter.max_model_len - 1:
-                rows.append((req_id, pos, out.sampled_token_ids[j]))
-        out.draft_token_ids = {}
-        if not rows:
-            return
-        states = [batch.requests[r] for r, _, _ in rows]
-        tables = [batch.block_table[s.row, :batch.num_blocks[s.row]] for s in states]
-        temps = [0.0 if s.params.is_greedy else s.params.temperature for s in states]
-        gens = [self.generator if s.generator is None else s.generator for s in states]
-        ids, q = self.drafter.propose([t for _, _, t in rows], [p for _, p, _ in rows], tables, temps, gens)
-        for (req_id, _, _), d, q_rows in zip(rows, ids, q):
-            out.draft_token_ids[req_id] = d
-            self.draft_probs[req_id] = q_rows
-
+        for i, req_id in enumerate(step.req_ids):
+            state = batch.requests[req_id]
+            start = int(step.starts[i])
+            verified = start + step.query_lens[i]
+            row = DraftRow(req_id, batch.block_table[state.row, :batch.num_blocks[state.row]], start, verified,
+                           batch.token_ids[state.row, start:verified])
+            j = sampled.get(req_id)
+            if j is not None:
+                if out.spec is not None:
+                    row.verified += len(out.spec.accepted_token_ids[j]) - out.spec.num_draft_tokens[j]
+                    row.token_ids = row.token_ids[:row.verified - start]
+                if self.propose_drafts and row.verified + k <= self.drafter.max_model_len - 1:
+                    row.bonus = out.sampled_token_ids[j]
+                    row.params = state.params
+                    row.generator = self.generator if state.generator is None else state.generator
+            rows.append(row)
+        draft_ids, q = self.drafter.step(rows)
+        if out.req_ids:
+            out.draft_token_ids = draft_ids
+        self.draft_probs.update(q)
+        return out
 
 def verify_output(req_ids: list[str], drafts: list[list[int]], logits: torch.Tensor, batch: SamplingBatch,
                   prompt_logprobs, draft_probs: torch.Tensor | None = None) -> ModelRunnerOutput:
