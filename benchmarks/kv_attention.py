@@ -125,6 +125,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--num-threads", type=int, default=None)
     p.add_argument("--e2e", action="store_true", help="also engine decode tok/s, int8 vs auto")
+    p.add_argument("--no-micro", action="store_true", help="skip the micro-benchmark")
     p.add_argument("--e2e-prompts", type=int, default=16)
     p.add_argument("--e2e-input-len", type=int, default=1024)
     p.add_argument("--e2e-output-len", type=int, default=32)
@@ -136,7 +137,7 @@ def main() -> None:
     result = {"machine": info, "kernel_isa": kernels.selected_isa(), "command": " ".join(sys.argv),
               "shape": {"num_heads": NUM_HEADS, "num_kv_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM,
                         "block_size": BLOCK_SIZE},
-              "micro": micro(args.num_seqs, args.contexts, args.rounds)}
+              "micro": [] if args.no_micro else micro(args.num_seqs, args.contexts, args.rounds)}
     if args.e2e:
         result["e2e"] = e2e(args.e2e_prompts, args.e2e_input_len, args.e2e_output_len)
     result["load_avg_1_5_15_end"] = list(os.getloadavg())
