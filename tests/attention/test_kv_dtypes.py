@@ -91,9 +91,10 @@ def test_bad_kv_cache_dtype_names_the_flag() -> None:
     assert kv_dtypes.resolve("auto", "bfloat16") == "bfloat16"
     from pagedserve.engine.core import EngineCore
 
-    # The compiled backend reads float32 caches only: asking for both is a start-up error, before loading.
-    config = EngineArgs(kv_cache_dtype="int8", attention_backend="cpu").create_engine_config()
-    with pytest.raises(ValueError, match="--kv-cache-dtype int8 needs --attention-backend auto or reference"):
+    # The compiled backend reads float32, bf16 and 8-bit caches, not float16: asking for both is a start-up
+    # error, before loading.
+    config = EngineArgs(kv_cache_dtype="float16", attention_backend="cpu").create_engine_config()
+    with pytest.raises(ValueError, match="--kv-cache-dtype float16 needs --attention-backend auto or reference"):
         EngineCore(config)
 
 

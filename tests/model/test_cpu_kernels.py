@@ -77,6 +77,42 @@ def test_silu_and_mul(variant_ops) -> None:
     torch.testing.assert_close(SiluAndMul()(x), F.silu(gate) * up)
 
 
+def test_bf16_layer_ops_round_float32_results(variant_ops) -> None:
+    # bf16 in and out, float32 inside: each output is the float32 result of the same (bf16-exact) inputs,
+    # rounded once (relative error <= 2^-9), where torch's bf16 ops round after every step.
+    from pagedserve.model.layers.activation import SiluAndMul
+    from pagedserve.model.layers.rotary import RotaryEmbedding
+    from transformers import LlamaConfig
+
+    gen = torch.Generator().manual_seed(5)
+    bf = lambda *shape: torch.randn(*shape, generator=gen).bfloat16()  # noqa: E731
+
+    def close(got: torch.Tensor, expected: torch.Tensor) -> None:
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.float(), expected, rtol=2 ** -8, atol=1e-6)
+
+    x, residual = bf(5, 576), bf(5, 576)
+    assert kernels.ops_for(x, kernels.LAYER_DTYPES) is variant_ops  # the layers below take the kernels
+    norm = RMSNorm(576, 1e-5, dtype=torch.bfloat16)
+    norm.weight.data = (torch.rand(576, generator=gen) + 0.5).bfloat16()
+    w32 = norm.weight.float()
+    close(norm(x), torch_rms_norm(x.float(), w32, 1e-5))
+    got, got_res = norm.forward_residual(x.clone(), residual.clone())
+    res = (residual.float() + x.float()).bfloat16()  # the residual stream is stored in bf16
+    assert torch.equal(got_res, res)
+    close(got, torch_rms_norm(res.float(), w32, 1e-5))
+    gate_up = bf(9, 2 * 96) * 4
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    close(SiluAndMul()(gate_up), F.silu(gate) * up)
+    rope = RotaryEmbedding(LlamaConfig(hidden_size=64, num_attention_heads=4, max_position_embeddings=300), 16)
+    q, k, positions = bf(3, 4, 16), bf(3, 2, 16), torch.tensor([0, 7, 299])
+    expected_q, expected_k = rope.forward.__func__(_TorchPath(rope), positions, q.float(), k.float())
+    got_q, got_k = rope(positions, q, k)
+    assert got_q.data_ptr() == q.data_ptr()  # the in-place kernel ran
+    close(got_q, expected_q)
+    close(got_k, expected_k)
+
+
 @pytest.mark.skipif(not onednn_available(), reason="torch built without oneDNN")
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_linear(bias: bool) -> None:

@@ -5,6 +5,10 @@ alike (kernels/csrc/paged_attention.cpp). Measured against the reference backend
 core (benchmarks/README.md, "Profile"): decode 5-10x faster, prefill chunks of 16-512 tokens 1.2-2x, so
 by default nothing goes to SDPA. max_kernel_q_len >= 0 sends longer chunks to the reference's per-sequence
 SDPA instead (kept for other CPUs where torch's GEMM-based SDPA may win on long chunks).
+
+The kernel takes float32 or bfloat16 activations and reads float32, bfloat16, int8 and fp8 e4m3 caches
+directly (8-bit rows are quantized as they are written and dequantized in the kernel, with kv_quant.py's row
+layout); anything else (float16) goes to the reference backend.
 """
 from __future__ import annotations
 
@@ -14,6 +18,13 @@ from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.attention.reference import ReferenceAttentionBackend
 
 MAX_KERNEL_Q_LEN = -1  # < 0: every sequence runs in the kernel
+QUERY_DTYPES = (torch.float32, torch.bfloat16)
+CACHE_DTYPES = tuple(d for d in (torch.float32, torch.bfloat16, torch.int8, getattr(torch, "float8_e4m3fn", None))
+                     if d is not None)
+
+
+def kernel_supports(query_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
+    return query_dtype in QUERY_DTYPES and cache_dtype in CACHE_DTYPES
 
 
 class CpuPagedAttentionBackend:
@@ -26,7 +37,7 @@ class CpuPagedAttentionBackend:
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        if query.device.type != "cpu" or query.dtype != torch.float32 or kv_cache.dtype != torch.float32:
+        if query.device.type != "cpu" or not kernel_supports(query.dtype, kv_cache.dtype):
             return self._reference.forward(query, key, value, kv_cache, meta, scale)
         limit = self.max_kernel_q_len
         out = self.ops.paged_attention(query, key, value, kv_cache, meta.slot_mapping, meta.block_tables,

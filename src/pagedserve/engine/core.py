@@ -102,9 +102,9 @@ class EngineCore:
         logger.info("model dtype %s (%s)", dtype_name, why)
         kv_name = kv_dtypes.resolve(config.cache.cache_dtype, dtype_name)
         storage_dtype(kv_name)  # ValueError naming the flag where this torch lacks the type
-        if config.cache.cache_dtype not in ("auto", "float32") and config.model.attention_backend == "cpu":
+        if kv_name == "float16" and config.model.attention_backend == "cpu":
             raise ValueError(f"--kv-cache-dtype {kv_name} needs --attention-backend auto or reference: the "
-                             "compiled 'cpu' backend reads float32 caches only")
+                             "compiled 'cpu' backend reads float32, bfloat16, int8 and fp8_e4m3 caches")
         config = self.config = dataclasses.replace(config, model=dataclasses.replace(config.model, dtype=dtype_name),
                                                    cache=dataclasses.replace(config.cache, cache_dtype=kv_name))
         tp_size = config.parallel.tensor_parallel_size

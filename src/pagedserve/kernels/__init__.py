@@ -197,8 +197,13 @@ def _remove_stale_lock(path: str, max_age_s: float = 600.0) -> None:
         pass
 
 
-def ops_for(x: torch.Tensor):
-    # The kernels for a float32 CPU activation, else None (the caller's torch path).
-    if x.dtype != torch.float32 or x.device.type != "cpu":
+# Activation dtypes of the fused layer ops (rms_norm, fused_add_rms_norm_, rotary_embedding_, silu_and_mul) and
+# the attention kernel; the block GEMMs take float32 only.
+LAYER_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def ops_for(x: torch.Tensor, dtypes: tuple[torch.dtype, ...] = (torch.float32,)):
+    # The kernels for a CPU activation of one of `dtypes`, else None (the caller's torch path).
+    if x.dtype not in dtypes or x.device.type != "cpu":
         return None
     return _state["ops"] if "ops" in _state else load()

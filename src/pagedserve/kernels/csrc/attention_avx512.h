@@ -1,5 +1,6 @@
 // AVX-512 tile for head_dim = 16 * NV. Included by attention_tile.h, inside namespace pagedserve, only
-// when the compiler targets AVX-512 (the avx512 variant; pagedserve/kernels/isa.py).
+// when the compiler targets AVX-512 (the avx512 variant; pagedserve/kernels/isa.py). A cache of another
+// type than float32 is converted 16 keys at a time (kv_rows) into a buffer the sub-block then reads.
 #pragma once
 
 // AVX-512 path for head_dim = 16 * NV. Keys go 16 at a time (one sub-block): the 16 x head_dim key slab
@@ -72,8 +73,8 @@ inline void accumulate_pv(float* acc, const float* p, const float* corr, const f
 // softmax update of (m, l), then acc += P x V, RC rows at a time with the accumulators in registers.
 template <int NV, int RC>
 inline void attend_sub_block(const Tile& t, int64_t row0, int64_t row_end, int64_t kp0, int64_t nk,
-                             const float* kt, const float* vh, const float* q, float* acc, float* m, float* l,
-                             float* p, float* corr) {
+                             const float* kt, const float* vh, int64_t v_stride, const float* q, float* acc,
+                             float* m, float* l, float* p, float* corr) {
   constexpr int D = 16 * NV;
   for (int64_t r0 = row0; r0 < row_end; r0 += RC) {
     const int nr = static_cast<int>(std::min<int64_t>(RC, row_end - r0));
@@ -102,65 +103,69 @@ inline void attend_sub_block(const Tile& t, int64_t row0, int64_t row_end, int64
     }
     float* a = acc + r0 * D;
     switch (nr) {  // register-resident accumulators need the row count at compile time
-      case 6: if constexpr (RC >= 6) { accumulate_pv<6, NV>(a, p, corr, vh, t.slot_stride, nk); break; } [[fallthrough]];
-      case 5: if constexpr (RC >= 5) { accumulate_pv<5, NV>(a, p, corr, vh, t.slot_stride, nk); break; } [[fallthrough]];
-      case 4: if constexpr (RC >= 4) { accumulate_pv<4, NV>(a, p, corr, vh, t.slot_stride, nk); break; } [[fallthrough]];
-      case 3: accumulate_pv<3, NV>(a, p, corr, vh, t.slot_stride, nk); break;
-      case 2: accumulate_pv<2, NV>(a, p, corr, vh, t.slot_stride, nk); break;
-      default: accumulate_pv<1, NV>(a, p, corr, vh, t.slot_stride, nk); break;
+      case 6: if constexpr (RC >= 6) { accumulate_pv<6, NV>(a, p, corr, vh, v_stride, nk); break; } [[fallthrough]];
+      case 5: if constexpr (RC >= 5) { accumulate_pv<5, NV>(a, p, corr, vh, v_stride, nk); break; } [[fallthrough]];
+      case 4: if constexpr (RC >= 4) { accumulate_pv<4, NV>(a, p, corr, vh, v_stride, nk); break; } [[fallthrough]];
+      case 3: accumulate_pv<3, NV>(a, p, corr, vh, v_stride, nk); break;
+      case 2: accumulate_pv<2, NV>(a, p, corr, vh, v_stride, nk); break;
+      default: accumulate_pv<1, NV>(a, p, corr, vh, v_stride, nk); break;
     }
   }
 }
 
-// The next sub-block's K/V rows (all heads of the tile) into L2. Blocks are scattered, so the hardware
-// prefetcher cannot follow them; measured, L2 beats L1 here (too many L1 prefetches in flight get dropped).
+// The next sub-block's K/V rows (all heads of the tile: `width` bytes a slot) into L2. Blocks are scattered,
+// so the hardware prefetcher cannot follow them; measured, L2 beats L1 here (too many L1 prefetches in
+// flight get dropped).
 inline void prefetch_sub_block(const Tile& t, int64_t kp, int64_t last_pos, int64_t width) {
   if (kp > last_pos) return;
   const int64_t bs = t.block_size;
   const int64_t slot = t.table[kp / bs] * bs + kp % bs;
   const int64_t n = std::min<int64_t>({16, bs - kp % bs, last_pos + 1 - kp});
   for (int64_t j = 0; j < n; ++j)
-    for (int64_t c = 0; c < width; c += 16) {
-      _mm_prefetch(reinterpret_cast<const char*>(t.k_cache + (slot + j) * t.slot_stride + c), _MM_HINT_T1);
-      _mm_prefetch(reinterpret_cast<const char*>(t.v_cache + (slot + j) * t.slot_stride + c), _MM_HINT_T1);
+    for (int64_t c = 0; c < width; c += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(t.k_cache + (slot + j) * t.slot_bytes + c), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(t.v_cache + (slot + j) * t.slot_bytes + c), _MM_HINT_T1);
     }
 }
 
-template <int NV>
-void attend_tile_avx512(const Tile& t, std::vector<float>& scratch) {
+template <int NV, typename CT>
+void attend_rows_avx512(const Tile& t, const float* q, float* o, std::vector<float>& scratch) {
   constexpr int D = 16 * NV;
   constexpr int RC = NV <= 4 ? 6 : 3;  // rows per register chunk: RC * NV accumulators + NV values
-  const int64_t rph = rows_per_head(t), rows = rph * t.kv_heads, bs = t.block_size;
-  scratch.assign(D * 16 + 16 + rows * D * 2 + rows * 2 + RC * 16 + RC, 0.f);
+  const int64_t rph = rows_per_head(t), rows = rph * t.kv_heads;
+  const int64_t kv_buf = std::is_same_v<CT, float> ? 0 : 16 * t.kv_heads * D;
+  scratch.assign(D * 16 + 16 + rows * D + rows * 2 + RC * 16 + RC + 2 * kv_buf, 0.f);
   // kt: [D][16] transposed keys of the current sub-block and head, 64-byte aligned for aligned loads.
   float* kt = scratch.data() + (16 - (reinterpret_cast<uintptr_t>(scratch.data()) / sizeof(float)) % 16) % 16;
-  float* q = kt + D * 16;
-  float* acc = q + rows * D;
+  float* acc = kt + D * 16;
   float* m = acc + rows * D;
   float* l = m + rows;
   float* p = l + rows;        // [RC][16] probabilities of the current row chunk
   float* corr = p + RC * 16;  // [RC]
-  load_queries(t, q);
+  float* k_buf = corr + RC;   // [16][kv_heads][D] converted keys (and values) of the sub-block
+  float* v_buf = k_buf + kv_buf;
   std::fill(m, m + rows, kMinScore);
-  const int64_t last_pos = t.pos0 + t.n_q - 1;
+  const int64_t last_pos = t.pos0 + t.n_q - 1, bs = t.block_size;
   __m512 slab[16], cols[16];
   for (int64_t kp0 = 0; kp0 <= last_pos;) {
     // Sub-block: keys kp0 .. kp0+nk-1, at most 16 and all inside one block.
     const int64_t nk = std::min<int64_t>({16, bs - kp0 % bs, last_pos + 1 - kp0});
     const int64_t slot0 = t.table[kp0 / bs] * bs + kp0 % bs;
-    prefetch_sub_block(t, kp0 + nk, last_pos, t.kv_heads * D);
+    prefetch_sub_block(t, kp0 + nk, last_pos, t.kv_heads * t.row_bytes);
+    int64_t ks, vs;
+    const float* kb = kv_rows<CT>(t, t.k_cache, slot0, nk, k_buf, ks);
+    const float* vb = kv_rows<CT>(t, t.v_cache, slot0, nk, v_buf, vs);
     for (int64_t h = 0; h < t.kv_heads; ++h) {
-      const float* kb = t.k_cache + slot0 * t.slot_stride + h * D;
+      const float* kh = kb + h * D;
       for (int v = 0; v < NV; ++v) {
         for (int j = 0; j < 16; ++j)
-          slab[j] = j < nk ? _mm512_loadu_ps(kb + j * t.slot_stride + 16 * v) : _mm512_setzero_ps();
+          slab[j] = j < nk ? _mm512_loadu_ps(kh + j * ks + 16 * v) : _mm512_setzero_ps();
         transpose16(slab, cols);
         for (int c = 0; c < 16; ++c) _mm512_store_ps(kt + (16 * v + c) * 16, cols[c]);
       }
-      attend_sub_block<NV, RC>(t, h * rph, (h + 1) * rph, kp0, nk, kt, t.v_cache + slot0 * t.slot_stride + h * D,
-                               q, acc, m, l, p, corr);
+      attend_sub_block<NV, RC>(t, h * rph, (h + 1) * rph, kp0, nk, kt, vb + h * D, vs, q, acc, m, l, p, corr);
     }
     kp0 += nk;
   }
-  store_outputs(t, acc, l);
+  normalize_rows(acc, l, rows, D, o);
 }

@@ -2,75 +2,122 @@
 // `kv_heads` consecutive kv heads, against that sequence's cached keys, read in place through its block
 // table (see paged_attention.cpp). Rows are ordered (kv head, token, head in group):
 //   row r = (h * n_q + i) * group + g   ->  query head (kv_head0 + h) * group + g of token i
+// Queries and outputs are float32 or bf16 (QT); the cache is float32, bf16, int8 or fp8 e4m3 (CT,
+// kv_types.h). The arithmetic is float32 throughout: queries are converted once per tile, and a float32
+// cache is read in place while other cache types are converted a (sub-)block at a time into a small
+// buffer that stays in L1 while every row of the tile reads it (kv_rows).
 #pragma once
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
+#include "kv_types.h"
+
 namespace pagedserve {
 
 struct Tile {
-  const float* q;          // query row of (token 0 of the tile, first query head of the first kv head)
-  int64_t q_tok_stride, q_head_stride;
-  float* out;              // same layout as q
+  const void* q;            // query row of (token 0 of the tile, first query head of the first kv head)
+  int64_t q_tok_stride, q_head_stride;  // in elements
+  void* out;                // same layout and type as q
   int64_t o_tok_stride, o_head_stride;
-  const float* k_cache;    // the first kv head's first element in slot 0
-  const float* v_cache;
-  int64_t slot_stride;     // floats between consecutive slots (num_kv_heads * head_dim)
-  const int64_t* table;    // the sequence's block table
+  const uint8_t* k_cache;   // the first kv head's row in slot 0
+  const uint8_t* v_cache;
+  int64_t slot_bytes;       // bytes between consecutive slots (num_kv_heads rows)
+  int64_t row_bytes;        // bytes between a slot's consecutive kv heads
+  const int64_t* table;     // the sequence's block table
   int64_t block_size, head_dim, group, kv_heads;
-  int64_t pos0, n_q;       // position of the tile's first query token, number of tokens
+  int64_t pos0, n_q;        // position of the tile's first query token, number of tokens
   float scale;
+};
+
+// Per-thread buffers, reused across the thread's work items.
+struct TileScratch {
+  std::vector<float> io;    // the tile's scaled queries, then its outputs: rows x head_dim each
+  std::vector<float> work;  // the kernel's own buffers
 };
 
 constexpr float kMinScore = -std::numeric_limits<float>::max();  // finite: built with -ffast-math
 
 inline int64_t rows_per_head(const Tile& t) { return t.n_q * t.group; }
 
+template <typename QT>
 inline void load_queries(const Tile& t, float* q) {
+  const QT* base = static_cast<const QT*>(t.q);
   for (int64_t h = 0; h < t.kv_heads; ++h)
     for (int64_t i = 0; i < t.n_q; ++i)
       for (int64_t g = 0; g < t.group; ++g) {
-        const float* src = t.q + i * t.q_tok_stride + (h * t.group + g) * t.q_head_stride;
+        const QT* src = base + i * t.q_tok_stride + (h * t.group + g) * t.q_head_stride;
         float* dst = q + ((h * t.n_q + i) * t.group + g) * t.head_dim;
-        for (int64_t d = 0; d < t.head_dim; ++d) dst[d] = src[d] * t.scale;
+        for (int64_t d = 0; d < t.head_dim; ++d) dst[d] = to_float(src[d]) * t.scale;
       }
 }
 
-inline void store_outputs(const Tile& t, const float* acc, const float* l) {
+template <typename QT>
+inline void store_outputs(const Tile& t, const float* o) {
+  QT* base = static_cast<QT*>(t.out);
   for (int64_t h = 0; h < t.kv_heads; ++h)
     for (int64_t i = 0; i < t.n_q; ++i)
       for (int64_t g = 0; g < t.group; ++g) {
-        const int64_t r = (h * t.n_q + i) * t.group + g;
-        const float inv = 1.f / l[r];
-        float* dst = t.out + i * t.o_tok_stride + (h * t.group + g) * t.o_head_stride;
-        for (int64_t d = 0; d < t.head_dim; ++d) dst[d] = acc[r * t.head_dim + d] * inv;
+        const float* src = o + ((h * t.n_q + i) * t.group + g) * t.head_dim;
+        QT* dst = base + i * t.o_tok_stride + (h * t.group + g) * t.o_head_stride;
+        for (int64_t d = 0; d < t.head_dim; ++d) dst[d] = from_float<QT>(src[d]);
       }
 }
 
-// Portable path: plain loops the compiler vectorizes; any head_dim, any block size.
-inline void attend_tile_generic(const Tile& t, std::vector<float>& scratch) {
+inline void normalize_rows(const float* acc, const float* l, int64_t rows, int64_t hd, float* o) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float inv = 1.f / l[r];
+    for (int64_t d = 0; d < hd; ++d) o[r * hd + d] = acc[r * hd + d] * inv;
+  }
+}
+
+// The keys (or values) of slots slot0 .. slot0+n-1, the tile's kv heads, as float32: head h of slot
+// slot0 + j is at result + j * stride + h * head_dim. A float32 cache is read in place; other types are
+// converted into buf (n * kv_heads * head_dim floats).
+template <typename CT>
+inline const float* kv_rows(const Tile& t, const uint8_t* cache, int64_t slot0, int64_t n, float* buf,
+                            int64_t& stride) {
+  const uint8_t* base = cache + slot0 * t.slot_bytes;
+  if constexpr (std::is_same_v<CT, float>) {
+    stride = t.slot_bytes / static_cast<int64_t>(sizeof(float));
+    return reinterpret_cast<const float*>(base);
+  } else {
+    stride = t.kv_heads * t.head_dim;
+    for (int64_t j = 0; j < n; ++j)
+      for (int64_t h = 0; h < t.kv_heads; ++h)
+        load_row<CT>(base + j * t.slot_bytes + h * t.row_bytes, t.head_dim, buf + j * stride + h * t.head_dim);
+    return buf;
+  }
+}
+
+// Portable path: plain loops the compiler vectorizes; any head_dim, any block size. q: the tile's scaled
+// query rows; o: receives its output rows.
+template <typename CT>
+inline void attend_rows_generic(const Tile& t, const float* q, float* o, std::vector<float>& scratch) {
   const int64_t hd = t.head_dim, rows = rows_per_head(t) * t.kv_heads, bs = t.block_size;
-  scratch.assign(rows * hd * 2 + rows * bs + rows * 2, 0.f);
-  float* q = scratch.data();
-  float* acc = q + rows * hd;
+  const int64_t kv_buf = std::is_same_v<CT, float> ? 0 : bs * t.kv_heads * hd;
+  scratch.assign(rows * hd + rows * bs + rows * 2 + 2 * kv_buf, 0.f);
+  float* acc = scratch.data();
   float* s = acc + rows * hd;
   float* m = s + rows * bs;
   float* l = m + rows;
-  load_queries(t, q);
+  float* k_buf = l + rows;
+  float* v_buf = k_buf + kv_buf;
   std::fill(m, m + rows, kMinScore);
   const int64_t last_pos = t.pos0 + t.n_q - 1;
   for (int64_t b = 0; b <= last_pos / bs; ++b) {
-    const float* kb = t.k_cache + t.table[b] * bs * t.slot_stride;
-    const float* vb = t.v_cache + t.table[b] * bs * t.slot_stride;
-    const int64_t kp0 = b * bs;
+    const int64_t kp0 = b * bs, n = std::min(bs, last_pos + 1 - kp0);
+    int64_t ks, vs;
+    const float* kb = kv_rows<CT>(t, t.k_cache, t.table[b] * bs, n, k_buf, ks);
+    const float* vb = kv_rows<CT>(t, t.v_cache, t.table[b] * bs, n, v_buf, vs);
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t limit = std::min(bs, t.pos0 + (r / t.group) % t.n_q + 1 - kp0);  // visible keys [0, limit)
       if (limit <= 0) continue;
@@ -79,7 +126,7 @@ inline void attend_tile_generic(const Tile& t, std::vector<float>& scratch) {
       const float* qr = q + r * hd;
       float bmax = kMinScore;
       for (int64_t j = 0; j < limit; ++j) {
-        const float* kj = kb + j * t.slot_stride + head_off;
+        const float* kj = kb + j * ks + head_off;
         float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
         for (int64_t d = 0; d < hd; ++d) dot += qr[d] * kj[d];
@@ -95,30 +142,41 @@ inline void attend_tile_generic(const Tile& t, std::vector<float>& scratch) {
       float* ar = acc + r * hd;
       for (int64_t d = 0; d < hd; ++d) ar[d] *= corr;
       for (int64_t j = 0; j < limit; ++j) {
-        const float* vj = vb + j * t.slot_stride + head_off;
+        const float* vj = vb + j * vs + head_off;
 #pragma omp simd
         for (int64_t d = 0; d < hd; ++d) ar[d] += sr[j] * vj[d];
       }
     }
   }
-  store_outputs(t, acc, l);
+  normalize_rows(acc, l, rows, hd, o);
 }
 
 #if defined(__AVX512F__)
 #include "attention_avx512.h"
 #endif
 
-inline void attend_tile(const Tile& t, std::vector<float>& scratch) {
+template <typename CT>
+inline void attend_rows(const Tile& t, const float* q, float* o, std::vector<float>& scratch) {
 #if defined(__AVX512F__)
   switch (t.head_dim) {
-    case 64: return attend_tile_avx512<4>(t, scratch);
-    case 128: return attend_tile_avx512<8>(t, scratch);
-    case 32: return attend_tile_avx512<2>(t, scratch);
-    case 96: return attend_tile_avx512<6>(t, scratch);
+    case 64: return attend_rows_avx512<4, CT>(t, q, o, scratch);
+    case 128: return attend_rows_avx512<8, CT>(t, q, o, scratch);
+    case 32: return attend_rows_avx512<2, CT>(t, q, o, scratch);
+    case 96: return attend_rows_avx512<6, CT>(t, q, o, scratch);
     default: break;
   }
 #endif
-  attend_tile_generic(t, scratch);
+  attend_rows_generic<CT>(t, q, o, scratch);
+}
+
+template <typename QT, typename CT>
+inline void attend_tile(const Tile& t, TileScratch& scratch) {
+  const int64_t n = rows_per_head(t) * t.kv_heads * t.head_dim;
+  scratch.io.resize(2 * n);
+  float* q = scratch.io.data();
+  load_queries<QT>(t, q);
+  attend_rows<CT>(t, q, q + n, scratch.work);
+  store_outputs<QT>(t, q + n);
 }
 
 }  // namespace pagedserve

@@ -1,4 +1,5 @@
-// Paged attention for float32 CPU. Registered as torch.ops.pagedserve_<isa>.* (ops_library.h); built on first use by
+// Paged attention for CPU: float32 or bf16 queries, a float32, bf16, int8 or fp8 e4m3 KV cache (8-bit rows carry
+// their scale: kv_types.h), float32 arithmetic. Registered as torch.ops.pagedserve_<isa>.* (ops_library.h); built on first use by
 // pagedserve/kernels/__init__.py through torch.utils.cpp_extension and cached. Threads come from ATen's
 // pool (at::parallel_for), so they follow torch.set_num_threads and never oversubscribe it.
 //
@@ -21,6 +22,7 @@
 
 #include "attention_tile.h"
 #include "checks.h"
+#include "kv_types.h"
 #include "ops_library.h"
 
 namespace {
@@ -36,10 +38,16 @@ void check_inputs(const at::Tensor& query, const at::Tensor& key, const at::Tens
                   const at::Tensor& query_start_loc) {
   using pagedserve::check_tensor;
   using pagedserve::Layout;
-  check_tensor(query, kOp, "query", at::kFloat, 3, Layout::kRows);
-  check_tensor(key, kOp, "key", at::kFloat, 3, Layout::kRows);
-  check_tensor(value, kOp, "value", at::kFloat, 3, Layout::kRows);
-  check_tensor(kv_cache, kOp, "kv_cache", at::kFloat, 5, Layout::kContiguous);
+  TORCH_CHECK(query.scalar_type() == at::kFloat || query.scalar_type() == at::kBFloat16, kOp,
+              ": query must be Float or BFloat16, got ", query.scalar_type());
+  check_tensor(query, kOp, "query", query.scalar_type(), 3, Layout::kRows);
+  check_tensor(key, kOp, "key", query.scalar_type(), 3, Layout::kRows);
+  check_tensor(value, kOp, "value", query.scalar_type(), 3, Layout::kRows);
+  const at::ScalarType cache_type = kv_cache.scalar_type();
+  const bool eight_bit = cache_type == at::kChar || cache_type == at::kFloat8_e4m3fn;
+  TORCH_CHECK(eight_bit || cache_type == at::kFloat || cache_type == at::kBFloat16, kOp,
+              ": kv_cache must be Float, BFloat16, Char (int8) or Float8_e4m3fn, got ", cache_type);
+  check_tensor(kv_cache, kOp, "kv_cache", cache_type, 5, Layout::kContiguous);
   check_tensor(slot_mapping, kOp, "slot_mapping", at::kLong, 1, Layout::kContiguous);
   check_tensor(block_tables, kOp, "block_tables", at::kLong, 2, Layout::kContiguous);
   check_tensor(seq_lens, kOp, "seq_lens", at::kLong, 1, Layout::kContiguous);
@@ -50,8 +58,10 @@ void check_inputs(const at::Tensor& query, const at::Tensor& key, const at::Tens
               "got shape ", kv_cache.sizes());
   const int64_t num_blocks = kv_cache.size(1), block_size = kv_cache.size(2), num_kv_heads = kv_cache.size(3);
   TORCH_CHECK(block_size > 0, kOp, ": kv_cache block_size must be positive, got shape ", kv_cache.sizes());
-  TORCH_CHECK(head_dim > 0 && kv_cache.size(4) == head_dim, kOp, ": head size mismatch: query head_dim ", head_dim,
-              ", kv_cache head_dim ", kv_cache.size(4));
+  // An 8-bit row is head_dim codes and the 4 bytes of its float32 scale.
+  const int64_t width = head_dim + (eight_bit ? pagedserve::kScaleBytes : 0);
+  TORCH_CHECK(head_dim > 0 && kv_cache.size(4) == width, kOp, ": head size mismatch: query head_dim ", head_dim,
+              " needs kv_cache rows of ", width, " ", cache_type, " elements, got ", kv_cache.size(4));
   TORCH_CHECK(num_kv_heads > 0 && num_heads > 0 && num_heads % num_kv_heads == 0, kOp, ": query heads (", num_heads,
               ") must be a positive multiple of kv_cache kv heads (", num_kv_heads, ")");
   for (const auto* kv : {&key, &value}) {
@@ -76,7 +86,7 @@ void check_inputs(const at::Tensor& query, const at::Tensor& key, const at::Tens
   const int64_t* qsl = query_start_loc.data_ptr<int64_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
-  const int64_t width = block_tables.size(1);
+  const int64_t table_width = block_tables.size(1);
   TORCH_CHECK(qsl[0] == 0, kOp, ": query_start_loc[0] must be 0, got ", qsl[0]);
   TORCH_CHECK(qsl[num_seqs] == num_tokens, kOp, ": query_start_loc[-1] = ", qsl[num_seqs],
               " must equal the number of query tokens (", num_tokens, ")");
@@ -87,9 +97,9 @@ void check_inputs(const at::Tensor& query, const at::Tensor& key, const at::Tens
     TORCH_CHECK(lens[i] >= q_len, kOp, ": seq_lens[", i, "] = ", lens[i], " is shorter than its query length ",
                 q_len);
     const int64_t used = lens[i] == 0 ? 0 : (lens[i] - 1) / block_size + 1;  // no overflow for huge lens
-    TORCH_CHECK(used <= width, kOp, ": block_tables is ", width, " blocks wide but seq_lens[", i, "] = ", lens[i],
+    TORCH_CHECK(used <= table_width, kOp, ": block_tables is ", table_width, " blocks wide but seq_lens[", i, "] = ", lens[i],
                 " needs ", used, " blocks of ", block_size);
-    const int64_t* row = tables + i * width;
+    const int64_t* row = tables + i * table_width;
     for (int64_t b = 0; b < used; ++b)
       TORCH_CHECK(row[b] >= 0 && row[b] < num_blocks, kOp, ": block_tables[", i, "][", b, "] = ", row[b],
                   " outside the kv_cache's ", num_blocks, " blocks");
@@ -98,29 +108,31 @@ void check_inputs(const at::Tensor& query, const at::Tensor& key, const at::Tens
 
 // Writes this step's K/V at slot_mapping, then attends every sequence whose query length is at most
 // max_q_len (all of them when max_q_len < 0). Rows of longer sequences are left for the caller.
-at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-                           at::Tensor kv_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-                           const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
-                           int64_t max_q_len) {
-  // Everything is checked before the first write: a rejected call leaves kv_cache untouched.
-  check_inputs(query, key, value, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc);
+// QT: query/key/value/output element type; CT: cache element type (kv_types.h).
+template <typename QT, typename CT>
+at::Tensor paged_attention_typed(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                                 at::Tensor& kv_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                                 const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
+                                 int64_t max_q_len) {
   const int64_t num_tokens = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
   const int64_t block_size = kv_cache.size(2), num_kv_heads = kv_cache.size(3);
   const int64_t group = num_heads / num_kv_heads;
-  float* k_cache = kv_cache.data_ptr<float>();
-  float* v_cache = k_cache + kv_cache.stride(0);
+  const int64_t row_bytes = pagedserve::row_bytes<CT>(head_dim), slot_bytes = num_kv_heads * row_bytes;
+  uint8_t* k_cache = static_cast<uint8_t*>(kv_cache.data_ptr());
+  uint8_t* v_cache = k_cache + kv_cache.stride(0) * kv_cache.element_size();
 
-  // 1. Write K/V (a token sees its own key).
+  // 1. Write K/V (a token sees its own key), quantizing for an 8-bit cache.
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  const float* kp = key.data_ptr<float>();
-  const float* vp = value.data_ptr<float>();
-  const int64_t row = num_kv_heads * head_dim;
-  for (int64_t t = 0; t < num_tokens; ++t) {
-    for (int64_t h = 0; h < num_kv_heads; ++h) {
-      std::copy_n(kp + t * key.stride(0) + h * key.stride(1), head_dim, k_cache + slots[t] * row + h * head_dim);
-      std::copy_n(vp + t * value.stride(0) + h * value.stride(1), head_dim, v_cache + slots[t] * row + h * head_dim);
+  const QT* kp = static_cast<const QT*>(key.data_ptr());
+  const QT* vp = static_cast<const QT*>(value.data_ptr());
+  at::parallel_for(0, num_tokens * num_kv_heads, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t w = begin; w < end; ++w) {
+      const int64_t t = w / num_kv_heads, h = w % num_kv_heads;
+      const int64_t dst = slots[t] * slot_bytes + h * row_bytes;
+      pagedserve::store_row<QT, CT>(kp + t * key.stride(0) + h * key.stride(1), head_dim, k_cache + dst);
+      pagedserve::store_row<QT, CT>(vp + t * value.stride(0) + h * value.stride(1), head_dim, v_cache + dst);
     }
-  }
+  });
 
   // 2. Work items: (seq, tile) pairs, then x kv heads.
   const int64_t num_seqs = seq_lens.numel();
@@ -145,22 +157,25 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key, const
   const int64_t heads_per_item = num_tiles >= 2 * at::get_num_threads() ? num_kv_heads : 1;
   const int64_t splits = num_kv_heads / heads_per_item;
   const int64_t q_s0 = query.stride(0), q_s1 = query.stride(1);
+  const QT* q_base = static_cast<const QT*>(query.data_ptr());
+  QT* o_base = static_cast<QT*>(out.data_ptr());
   at::parallel_for(0, num_tiles * splits, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scratch;
+    pagedserve::TileScratch scratch;
     for (int64_t w = begin; w < end; ++w) {
       const int64_t* it = items.data() + (w / splits) * 3;
       const int64_t seq = it[0], j = it[1], n_q = it[2], h = (w % splits) * heads_per_item;
       const int64_t tok0 = qsl[seq] + j;
       pagedserve::Tile t;
-      t.q = query.data_ptr<float>() + tok0 * q_s0 + h * group * q_s1;
+      t.q = q_base + tok0 * q_s0 + h * group * q_s1;
       t.q_tok_stride = q_s0;
       t.q_head_stride = q_s1;
-      t.out = out.data_ptr<float>() + tok0 * out.stride(0) + h * group * out.stride(1);
+      t.out = o_base + tok0 * out.stride(0) + h * group * out.stride(1);
       t.o_tok_stride = out.stride(0);
       t.o_head_stride = out.stride(1);
-      t.k_cache = k_cache + h * head_dim;
-      t.v_cache = v_cache + h * head_dim;
-      t.slot_stride = row;
+      t.k_cache = k_cache + h * row_bytes;
+      t.v_cache = v_cache + h * row_bytes;
+      t.slot_bytes = slot_bytes;
+      t.row_bytes = row_bytes;
       t.table = tables + seq * table_width;
       t.block_size = block_size;
       t.head_dim = head_dim;
@@ -169,10 +184,46 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key, const
       t.pos0 = lens[seq] - (qsl[seq + 1] - qsl[seq]) + j;
       t.n_q = n_q;
       t.scale = static_cast<float>(scale);
-      pagedserve::attend_tile(t, scratch);
+      pagedserve::attend_tile<QT, CT>(t, scratch);
     }
   });
   return out;
+}
+
+template <typename QT>
+at::Tensor paged_attention_q(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                             at::Tensor& kv_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                             const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
+                             int64_t max_q_len) {
+  using pagedserve::bf16_t;
+  using pagedserve::fp8_e4m3_t;
+  switch (kv_cache.scalar_type()) {
+    case at::kFloat:
+      return paged_attention_typed<QT, float>(query, key, value, kv_cache, slot_mapping, block_tables, seq_lens,
+                                              query_start_loc, scale, max_q_len);
+    case at::kBFloat16:
+      return paged_attention_typed<QT, bf16_t>(query, key, value, kv_cache, slot_mapping, block_tables, seq_lens,
+                                               query_start_loc, scale, max_q_len);
+    case at::kChar:
+      return paged_attention_typed<QT, int8_t>(query, key, value, kv_cache, slot_mapping, block_tables, seq_lens,
+                                               query_start_loc, scale, max_q_len);
+    default:  // Float8_e4m3fn (check_inputs admits nothing else)
+      return paged_attention_typed<QT, fp8_e4m3_t>(query, key, value, kv_cache, slot_mapping, block_tables,
+                                                   seq_lens, query_start_loc, scale, max_q_len);
+  }
+}
+
+at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                           at::Tensor kv_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                           const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
+                           int64_t max_q_len) {
+  // Everything is checked before the first write: a rejected call leaves kv_cache untouched.
+  check_inputs(query, key, value, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc);
+  if (query.scalar_type() == at::kBFloat16)
+    return paged_attention_q<pagedserve::bf16_t>(query, key, value, kv_cache, slot_mapping, block_tables, seq_lens,
+                                                 query_start_loc, scale, max_q_len);
+  return paged_attention_q<float>(query, key, value, kv_cache, slot_mapping, block_tables, seq_lens,
+                                  query_start_loc, scale, max_q_len);
 }
 
 }  // namespace

@@ -10,7 +10,7 @@ from pagedserve import kernels
 
 class SiluAndMul(nn.Module):
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
-        ops = kernels.ops_for(gate_up)
+        ops = kernels.ops_for(gate_up, kernels.LAYER_DTYPES)
         if ops is not None and gate_up.dim() == 2 and gate_up.stride(1) == 1:
             return ops.silu_and_mul(gate_up)  # one pass, no chunk/silu temporaries
         gate, up = gate_up.chunk(2, dim=-1)

@@ -2,7 +2,8 @@
 
 forward_residual fuses the residual add that precedes every norm in a pre-norm decoder (vLLM's
 fused_add_rms_norm): residual += x, then x = norm(residual). On float32 CPU both run in one compiled
-kernel, in place; elsewhere the same arithmetic in torch ops.
+kernel, in place; elsewhere the same arithmetic in torch ops. bfloat16 runs in the same kernels (float32
+inside, one rounding per output instead of torch's two).
 """
 from __future__ import annotations
 
@@ -20,8 +21,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ops = kernels.ops_for(x)
-        if ops is not None and x.dim() == 2 and self.weight.dtype == torch.float32:
+        ops = kernels.ops_for(x, kernels.LAYER_DTYPES)
+        if ops is not None and x.dim() == 2 and self.weight.dtype == x.dtype:
             return ops.rms_norm(x, self.weight, self.eps)
         return self._forward_torch(x)
 
@@ -34,9 +35,9 @@ class RMSNorm(nn.Module):
     def forward_residual(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # Returns (norm(residual + x), residual + x). May overwrite x and residual: callers pass tensors
         # they own (layer outputs), never parameters or user inputs.
-        ops = kernels.ops_for(x)
-        if (ops is not None and x.dim() == 2 and x.shape == residual.shape and residual.dtype == torch.float32
-                and x.stride(1) == 1 and residual.stride(1) == 1 and self.weight.dtype == torch.float32):
+        ops = kernels.ops_for(x, kernels.LAYER_DTYPES)
+        if (ops is not None and x.dim() == 2 and x.shape == residual.shape and residual.dtype == x.dtype
+                and x.stride(1) == 1 and residual.stride(1) == 1 and self.weight.dtype == x.dtype):
             ops.fused_add_rms_norm_(x, residual, self.weight, self.eps)
             return x, residual
         residual = residual + x

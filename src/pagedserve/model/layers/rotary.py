@@ -58,8 +58,8 @@ class RotaryEmbedding(nn.Module):
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         # positions [T]; query [T, Hq, D]; key [T, Hkv, D]. Angles in float32 as in the reference model,
         # then cast to the activations' dtype.
-        ops = kernels.ops_for(query)
-        if ops is not None and self.max_positions and key.dtype == torch.float32:
+        ops = kernels.ops_for(query, kernels.LAYER_DTYPES)
+        if ops is not None and self.max_positions and key.dtype == query.dtype:
             # In place: q and k are this layer's fresh projections, never shared.
             ops.rotary_embedding_(query, key, positions, self._table())
             return query, key
