@@ -202,7 +202,9 @@ class LlamaForCausalLM(nn.Module):
     def pack_weights(self) -> None:
         # The float32 CPU fast paths' weight copies (layers/linear.py); run after every weight load.
         pack_linear_weights(self)
-        if self.lm_head is None:
+        if self.lm_head is None and self.model.embed_tokens.weight is None:
+            pass  # the embedding is blocks only (model/gguf_weights.py); _lm_head_blocks already points at them
+        elif self.lm_head is None:
             self._lm_head_packed = pack_weight(self.model.embed_tokens.weight)
             self._lm_head_blocks = find_exact_blocks(self.model.embed_tokens.weight)
         else:
