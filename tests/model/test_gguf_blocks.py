@@ -15,6 +15,7 @@ from gguf.quants import dequantize, quantize
 from pagedserve import kernels
 from pagedserve.attention.backend import get_attention_backend
 from pagedserve.model import gguf_weights
+from pagedserve.model.gguf_file import open_gguf_file
 from pagedserve.model.gguf_weights import dense_tensors, load_gguf_blocks
 from pagedserve.model.layers import gguf_quant
 from pagedserve.model.layers.gguf_quant import GGUFWeight, concat_rows, gguf_embedding, gguf_linear
@@ -152,11 +153,11 @@ def test_block_loader_equals_dequantized_model(tmp_path, tied: bool) -> None:
     write_gguf(path, tied, layer_types)
     config = tiny_config(tied)
     backend = get_attention_backend("reference", torch.device("cpu"))
-    reader = GGUFReader(path)
+    reader = GGUFReader(path)  # the reference: gguf-py's own reader and dequantizer
     dense = LlamaForCausalLM(config, backend, dtype=torch.float32)
-    dense.load_weights(dense_tensors(reader.tensors, "llama", config, path))
+    dense.load_weights(dense_tensors(((t.name, t.tensor_type, t.data) for t in reader.tensors), "llama", config, path))
     blocks = LlamaForCausalLM(config, backend, dtype=torch.float32)
-    load_gguf_blocks(blocks, reader, "llama", config, path)
+    load_gguf_blocks(blocks, open_gguf_file(path), config)
 
     assert isinstance(blocks.model.embed_tokens, BlockEmbedding)
     qkv = blocks.model.layers[0].self_attn.qkv_proj
@@ -183,5 +184,5 @@ def test_block_loader_rejects_unknown_tensors(tmp_path) -> None:
     model = LlamaForCausalLM(tiny_config(True), get_attention_backend("reference", torch.device("cpu")),
                              dtype=torch.float32)
     with pytest.raises(ValueError, match="unexpected tensor 'blk.0.attn_qq.weight'"):
-        load_gguf_blocks(model, GGUFReader(path), "llama", tiny_config(True), path)
+        load_gguf_blocks(model, open_gguf_file(path), tiny_config(True))
     assert gguf_weights.hf_name("blk.3.ffn_down.weight") == "model.layers.3.mlp.down_proj.weight"

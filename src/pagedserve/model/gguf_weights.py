@@ -1,11 +1,10 @@
 """GGUF tensors -> our Llama module tree: names, llama.cpp's q/k row order, and the block load.
 
-`load_gguf_blocks` (--quantization gguf) reads the file through gguf-py's memory map and copies each
-quantized tensor's bytes as they are into the layer that multiplies by it (layers/gguf_quant.py); only
-norms, biases and tensors of types without a kernel (F16, BF16, Q2_K, ...) become float32. The float32
-form of a block weight never exists, so load-time peak memory is the blocks plus one tensor in flight.
-The file's pages are read once and unmapped when the reader goes (no weight is a view of the file: the
-file may be replaced under a running server).
+`load_gguf_blocks` (--quantization gguf) reads each quantized tensor's bytes from the file (gguf_file.py)
+as they are into the layer that multiplies by them (layers/gguf_quant.py); only norms, biases and tensors
+of types without a kernel (F16, BF16, Q2_K, ...) become float32. The float32 form of a block weight never
+exists, so load-time peak memory is the blocks plus one tensor in flight; nothing maps the file (a weight
+is never a view of it: it may be replaced under a running server).
 """
 from __future__ import annotations
 
@@ -14,6 +13,7 @@ import logging
 import numpy as np
 import torch
 
+from pagedserve.model.gguf_file import GGUFFile
 from pagedserve.model.layers.gguf_quant import GGUF_BLOCK_TYPES, GGUFWeight, concat_rows, gguf_dequantize, row_bytes
 from pagedserve.model.layers.linear import Linear
 
@@ -65,17 +65,19 @@ def _qk_heads(arch: str, name: str, hf_config) -> int | None:
 
 
 def dense_tensors(tensors, arch: str, hf_config, path: str):
-    # (HF name, float32 tensor) for GGUF reader tensors, dequantized with gguf-py (the `none` path's conversion).
+    # (HF name, float32 tensor) for (GGUF name, GGMLQuantizationType, numpy data) triples, dequantized with
+    # gguf-py: the `none` path's conversion, and the block path's norms and types without a kernel. The data
+    # is what GGUFReader gives, or rows of raw bytes [..., row_bytes].
     from gguf.quants import dequantize
 
-    for tensor in tensors:
-        if tensor.name in SKIPPED:
+    for gguf_name, qtype, data in tensors:
+        if gguf_name in SKIPPED:
             continue
-        name = _checked_name(tensor.name, path)
+        name = _checked_name(gguf_name, path)
         try:
-            weight = torch.from_numpy(dequantize(tensor.data, tensor.tensor_type).astype("float32"))  # owned copy
+            weight = torch.from_numpy(dequantize(data, qtype).astype("float32"))  # owned copy
         except Exception as e:  # noqa: BLE001
-            raise ValueError(f"cannot dequantize {tensor.name} ({tensor.tensor_type.name}) in {path}: {e}") from e
+            raise ValueError(f"cannot dequantize {gguf_name} ({qtype.name}) in {path}: {e}") from e
         heads = _qk_heads(arch, name, hf_config)
         yield name, (weight if heads is None else unpermute_qk(weight, heads)).contiguous()
 
@@ -87,35 +89,30 @@ def _checked_name(gguf_name: str, path: str) -> str:
     return name
 
 
-def _read_blocks(tensor, name: str, path: str) -> GGUFWeight:
-    qtype, (in_features, out_features) = int(tensor.tensor_type), (int(tensor.shape[0]), int(tensor.shape[1]))
-    expected = (out_features, row_bytes(qtype, in_features))
-    if tuple(tensor.data.shape) != expected:
-        raise ValueError(f"{tensor.name} in {path}: {tensor.tensor_type.name} data of shape "
-                         f"{tuple(tensor.data.shape)}, expected {expected} (truncated or corrupt file?)")
-    data = torch.from_numpy(np.array(tensor.data, dtype=np.uint8, copy=True))  # out of the file's mapping
-    return GGUFWeight((qtype,), (data,), in_features)
-
-
-def load_gguf_blocks(model, reader, arch: str, hf_config, path: str) -> None:
-    """Loads `reader`'s tensors into `model` (a LlamaForCausalLM built with placeholder weights): block
+def load_gguf_blocks(model, gguf: GGUFFile, hf_config) -> None:
+    """Loads the file's tensors into `model` (a LlamaForCausalLM built with placeholder weights): block
     types as GGUFWeights in the linears and the embedding, everything else through load_weights."""
+    from gguf import GGMLQuantizationType
+
     from pagedserve.model.weight_quant import BlockEmbedding
 
+    path, arch = gguf.path, gguf.fields.get("general.architecture")
     blocks: dict[str, GGUFWeight] = {}
     dense: list[tuple[str, torch.Tensor]] = []
-    for tensor in reader.tensors:
-        if tensor.name in SKIPPED:
+    for t in gguf.tensors:
+        if t.name in SKIPPED:
             continue
-        name = _checked_name(tensor.name, path)
-        if int(tensor.tensor_type) in GGUF_BLOCK_TYPES and name.endswith(".weight") and len(tensor.shape) == 2:
-            w = _read_blocks(tensor, name, path)
+        name = _checked_name(t.name, path)
+        data = gguf.read(t).reshape(*reversed(t.shape[1:]), -1)  # rows of bytes, outermost dim first
+        if t.qtype in GGUF_BLOCK_TYPES and name.endswith(".weight") and len(t.shape) == 2:
+            if data.shape[1] != row_bytes(t.qtype, t.shape[0]):
+                raise ValueError(f"corrupt GGUF file {path}: {t.name} has rows of {data.shape[1]} bytes")
+            rows = torch.from_numpy(data)
             heads = _qk_heads(arch, name, hf_config)
-            if heads is not None:
-                w.parts = (unpermute_qk(w.parts[0], heads).contiguous(),)
-            blocks[name] = w
+            blocks[name] = GGUFWeight((t.qtype,), (rows if heads is None else unpermute_qk(rows, heads).contiguous(),),
+                                      t.shape[0])
         else:
-            dense.extend(dense_tensors([tensor], arch, hf_config, path))
+            dense.extend(dense_tensors([(t.name, GGMLQuantizationType(t.qtype), data)], arch, hf_config, path))
 
     for module_name, m in model.named_modules():
         if not isinstance(m, Linear):

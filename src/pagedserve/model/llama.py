@@ -39,8 +39,7 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def _linear(in_features: int, out_features: int, bias: bool, device, dtype) -> Linear:
-    # Weights are always overwritten by load_weights, so random init would only cost load time.
-    return nn.utils.skip_init(Linear, in_features, out_features, bias=bias, device=device, dtype=dtype)
+    return Linear(in_features, out_features, bias=bias, device=device, dtype=dtype)
 
 
 class LlamaAttention(nn.Module):

@@ -34,6 +34,7 @@ from torch import nn
 
 from pagedserve import envs
 from pagedserve.attention.backend import get_attention_backend
+from pagedserve.model.gguf_file import open_gguf_file
 from pagedserve.model.gguf_weights import GGUF_ARCHITECTURES, dense_tensors, load_gguf_blocks, unpermute_qk
 from pagedserve.model.layers.parallel import shard_config, shard_weights
 from pagedserve.model.registry import get_model_class, resolve_architecture
@@ -298,12 +299,16 @@ def _open_gguf(path: str):
 
 
 def _gguf_state_dict(reader, arch: str, hf_config, path: str) -> dict[str, torch.Tensor]:
-    return dict(dense_tensors(reader.tensors, arch, hf_config, path))
+    tensors = ((t.name, t.tensor_type, t.data) for t in reader.tensors)
+    return dict(dense_tensors(tensors, arch, hf_config, path))
 
 
 def _gguf_arch(reader, path: str) -> str:
     arch_field = reader.fields.get("general.architecture")
-    arch = arch_field.contents() if arch_field is not None else None
+    return _check_arch(arch_field.contents() if arch_field is not None else None, path)
+
+
+def _check_arch(arch, path: str) -> str:
     if arch not in GGUF_ARCHITECTURES:
         raise ValueError(f"unsupported GGUF architecture {arch!r} in {path}; supported: {list(GGUF_ARCHITECTURES)}")
     return arch
@@ -311,8 +316,9 @@ def _gguf_arch(reader, path: str) -> str:
 
 def _load_gguf_blocks(model, path: str, hf_config) -> None:
     # --quantization gguf: the file's blocks straight into the model (model/gguf_weights.py).
-    reader = _open_gguf(path)
-    load_gguf_blocks(model, reader, _gguf_arch(reader, path), hf_config, path)
+    gguf = open_gguf_file(path)
+    _check_arch(gguf.fields.get("general.architecture"), path)
+    load_gguf_blocks(model, gguf, hf_config)
 
 
 __all__ = ["LoadedModel", "default_model_path", "load_model", "read_config", "resolve_model_dir", "unpermute_qk"]

@@ -83,6 +83,11 @@ class Linear(nn.Linear):
     # when the weight is only the blocks of its GGUF file (then self.weight is None).
     exact_blocks = None
 
+    def reset_parameters(self) -> None:
+        # Weights always come from load_weights, so nn.Linear's random init would only cost load time; and
+        # nn.utils.skip_init (init on the meta device) imports torch._dynamo and triton: ~90 MB resident.
+        pass
+
     def pack(self) -> None:
         if self.weight is None:  # blocks only: nothing to pack
             return
