@@ -3,9 +3,10 @@
 Two measurements, each in a fresh process:
   stages  one child process walks the server's start-up by hand and reads /proc/self/status after each
           step: the interpreter, `import torch` alone (the floor no serving code can go under), the serving
-          imports, the weights (load_model), the KV pool, and a warmup (a 256-token prefill in chunks of 64,
-          then 16 single-token decode steps, the two matmul paths). RSS splits into anonymous memory (heap,
-          weights, KV) and file-backed pages (shared libraries, mapped files); VmHWM is the peak.
+          imports, the weights (load_model), the KV pool, a warmup (a 256-token prefill in chunks of 64,
+          then 16 single-token decode steps, the two matmul paths), and the KV pool with every page written
+          (the worst case: the pool's pages become resident when first written). RSS splits into anonymous
+          memory (heap, weights, KV) and file-backed pages (shared libraries, mapped files); VmHWM is the peak.
   server  the real `pagedserve serve --kv-cache-memory 100000000` after /health answers, then after a few
           completion requests (the number issue 11 sets the target for).
 
@@ -27,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import machine_info, write_json  # noqa: E402
 
 KV_BYTES = 100_000_000
-_FIELDS = ("VmRSS", "RssAnon", "RssFile", "VmHWM")
+_FIELDS = ("VmRSS", "RssAnon", "RssFile", "RssShmem", "VmHWM")
 
 
 def read_status(pid: int | str = "self") -> dict[str, float]:
@@ -65,6 +66,9 @@ def run_stages(model: str | None) -> list[dict]:
     ids = list(range(1000, 1256))
     greedy_continuation(m, ids, caches, 16, max_tokens=16, chunk=64)  # prefill (> 8 rows), then decode (1 row)
     stages.append({"stage": "warmup", **read_status()})
+    for c in caches:  # every KV page written, as under full load (the pool's pages commit on first write)
+        c.view(torch.uint8).fill_(0)
+    stages.append({"stage": "KV pool fully written", **read_status()})
     return stages
 
 

@@ -26,6 +26,7 @@ from torch import nn
 
 from pagedserve import kernels
 from pagedserve.config import QUANTIZATIONS
+from pagedserve.malloc import release_free_memory
 from pagedserve.model.layers.gguf_quant import GGUFWeight, gguf_embedding
 from pagedserve.model.layers.linear import Linear
 from pagedserve.model.layers.quant import BLOCK, dequantize_blocks, quantize_q8_0
@@ -92,21 +93,11 @@ def apply_quantization(model: nn.Module, method: str) -> None:
     elif model.lm_head is not None:
         model._lm_head_packed, model._lm_head_blocks = model.lm_head.packed_weight, model.lm_head.exact_blocks
     gc.collect()
-    _return_freed_memory()
+    release_free_memory()
     logger.info("quantization %s: %d of %d linear weights kept only as blocks%s; weights %.0f MB (before: %.0f MB)",
                 method, num_quantized, num_linear,
                 ", embedding too" if isinstance(model.model.embed_tokens, BlockEmbedding) else "",
                 _weight_bytes(model) / 1e6, dense_before / 1e6)
-
-
-def _return_freed_memory() -> None:
-    # glibc keeps freed heap pages mapped; without this the dense copies freed above stay in the resident set.
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def block_logits(hidden: torch.Tensor, blocks) -> torch.Tensor:
