@@ -39,8 +39,7 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def _linear(in_features: int, out_features: int, bias: bool, device, dtype) -> Linear:
-    # Weights are always overwritten by load_weights, so random init would only cost load time.
-    return nn.utils.skip_init(Linear, in_features, out_features, bias=bias, device=device, dtype=dtype)
+    return Linear(in_features, out_features, bias=bias, device=device, dtype=dtype)
 
 
 class LlamaAttention(nn.Module):
@@ -202,7 +201,9 @@ class LlamaForCausalLM(nn.Module):
     def pack_weights(self) -> None:
         # The float32 CPU fast paths' weight copies (layers/linear.py); run after every weight load.
         pack_linear_weights(self)
-        if self.lm_head is None:
+        if self.lm_head is None and self.model.embed_tokens.weight is None:
+            pass  # the embedding is blocks only (model/gguf_weights.py); _lm_head_blocks already points at them
+        elif self.lm_head is None:
             self._lm_head_packed = pack_weight(self.model.embed_tokens.weight)
             self._lm_head_blocks = find_exact_blocks(self.model.embed_tokens.weight)
         else:

@@ -1,13 +1,19 @@
 """Load a model from a GGUF file or a Hugging Face directory into our LlamaForCausalLM.
 
-GGUF files are converted once into a Hugging Face-style directory under the cache (fp32 safetensors with
-HF tensor names, config.json, tokenizer files), so every later load is a plain safetensors read:
+A GGUF file's config and tokenizer are converted once into a Hugging Face-style directory under the cache;
+its weights take one of two roads:
+
+    --quantization gguf (the default for GGUF files)   the file's quantized blocks are copied as they are
+        into the layers (model/gguf_weights.py); no float32 form of them is built, in memory or on disk.
+    --quantization none, or tensor parallelism           the tensors are dequantized with gguf-py, once,
+        into model.safetensors (fp32, HF tensor names) in the same directory; later loads read that.
 
     ~/.cache/pagedserve/<gguf stem>-<hash(path, size, mtime)>/   ($PAGEDSERVE_CACHE_DIR overrides the root)
-        config.json  model.safetensors  tokenizer.json  tokenizer_config.json  chat_template.jinja ...
+        config.json  tokenizer.json  tokenizer_config.json  chat_template.jinja ...  [model.safetensors]
 
-The directory is built under a temporary name and renamed into place, so it either exists complete or not
-at all. Config and tokenizer come from transformers' own GGUF support; tensors are dequantized with gguf-py.
+The directory is built under a temporary name and renamed into place, and model.safetensors is written to a
+temporary file and renamed, so each exists complete or not at all. Config and tokenizer come from
+transformers' own GGUF support.
 """
 from __future__ import annotations
 
@@ -28,6 +34,8 @@ from torch import nn
 
 from pagedserve import envs
 from pagedserve.attention.backend import get_attention_backend
+from pagedserve.model.gguf_file import open_gguf_file
+from pagedserve.model.gguf_weights import GGUF_ARCHITECTURES, dense_tensors, load_gguf_blocks, unpermute_qk
 from pagedserve.model.layers.parallel import shard_config, shard_weights
 from pagedserve.model.registry import get_model_class, resolve_architecture
 from pagedserve.model.weight_quant import apply_quantization, resolve_quantization
@@ -38,21 +46,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 GGUF_MAGIC = b"GGUF"
-# llama.cpp architecture names we can serve; Mistral GGUFs use "llama".
-_GGUF_ARCHITECTURES = ("llama", "qwen2")
-# GGUF per-layer tensor name -> HF name inside model.layers.N
-_GGUF_LAYER_NAMES = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-}
-_GGUF_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-                      "output.weight": "lm_head.weight"}
-# Precomputed llama3 rope frequencies; our rotary derives them from the config instead.
-_GGUF_SKIPPED = ("rope_freqs.weight",)
-
-
 @dataclass(slots=True)
 class LoadedModel:
     model: nn.Module
@@ -90,8 +83,8 @@ def load_model(path: str | None = None, device: str | torch.device = "cpu",
         if not os.path.isdir(tokenizer):
             raise ValueError(f"tokenizer path is not a directory: {tokenizer} (expected a Hugging Face "
                              "tokenizer directory with tokenizer.json)")
-    model_dir, name = resolve_model_dir(path)
-    is_gguf = not os.path.isdir(default_model_path() if path is None else os.path.expanduser(str(path)))
+    source = _model_source(path)
+    is_gguf = not os.path.isdir(source)
     method = resolve_quantization(quantization, is_gguf, dtype, device)
     if tp is not None and method != "none":
         # The block kernels take whole weights; a rank's slice stays dense until they learn shards.
@@ -99,29 +92,41 @@ def load_model(path: str | None = None, device: str | torch.device = "cpu",
             raise ValueError(f"--quantization {method} does not work with --tensor-parallel-size > 1 yet; "
                              "valid values with tensor parallelism: none")
         method = "none"
-    loaded = _load_hf_dir(model_dir, name, device, dtype, attn_backend, tokenizer, tp)
+    # gguf on a GGUF file: weights come from the file's blocks, so the cache holds only config and tokenizer.
+    blocks_from = source if is_gguf and method == "gguf" else None
+    model_dir, name = resolve_model_dir(source, weights=blocks_from is None)
+    loaded = _load_hf_dir(model_dir, name, device, dtype, attn_backend, tokenizer, tp, gguf_blocks=blocks_from)
     apply_quantization(loaded.model, method)
     loaded.quantization = method
     return loaded
 
 
-def resolve_model_dir(path: str | None) -> tuple[str, str]:
-    """(Hugging Face directory, model name) for a model path; a GGUF file is converted once into the cache."""
+def resolve_model_dir(path: str | None, weights: bool = True) -> tuple[str, str]:
+    """(Hugging Face directory, model name) for a model path; a GGUF file is converted once into the cache
+    (with its float32 weights only when `weights`: the block path reads them from the file)."""
+    path = _model_source(path)
+    if os.path.isdir(path):
+        return path, os.path.basename(path.rstrip(os.sep))
+    name = os.path.splitext(os.path.basename(path))[0]
+    cache_dir = _cache_dir_for(path, name)
+    if not _is_complete(cache_dir, weights):
+        _convert_gguf(path, cache_dir, weights)
+    return cache_dir, name
+
+
+def _model_source(path: str | None) -> str:
+    # The absolute path of a Hugging Face directory or a GGUF file; ValueError for anything else.
     path = default_model_path() if path is None else os.path.abspath(os.path.expanduser(str(path)))
     if not os.path.exists(path):
         raise ValueError(f"model path does not exist: {path}")
     if os.path.isdir(path):
         if not os.path.isfile(os.path.join(path, "config.json")):
             raise ValueError(f"{path} is a directory without config.json; expected a Hugging Face model directory")
-        return path, os.path.basename(path.rstrip(os.sep))
+        return path
     with open(path, "rb") as f:
         if f.read(4) != GGUF_MAGIC:
             raise ValueError(f"{path} is not a GGUF file (bad magic bytes) and not a model directory")
-    name = os.path.splitext(os.path.basename(path))[0]
-    cache_dir = _cache_dir_for(path, name)
-    if not _is_complete(cache_dir):
-        _convert_gguf(path, cache_dir)
-    return cache_dir, name
+    return path
 
 
 def read_config(path: str):
@@ -150,22 +155,24 @@ def _cache_dir_for(path: str, name: str) -> str:
     return os.path.join(envs.cache_dir(), f"{name}-{key}")
 
 
-def _is_complete(cache_dir: str) -> bool:
-    return all(os.path.isfile(os.path.join(cache_dir, f)) for f in ("config.json", "model.safetensors"))
+def _is_complete(cache_dir: str, weights: bool = True) -> bool:
+    files = ("config.json", "model.safetensors") if weights else ("config.json",)
+    return all(os.path.isfile(os.path.join(cache_dir, f)) for f in files)
 
 
 # ---------------------------------------------------------------- Hugging Face directory (also the GGUF cache)
 
 def _load_hf_dir(path: str, model_name: str, device: torch.device, dtype: torch.dtype,
                  attn_backend: str, tokenizer_path: str | None = None,
-                 tp: TensorParallelGroup | None = None) -> LoadedModel:
+                 tp: TensorParallelGroup | None = None, gguf_blocks: str | None = None) -> LoadedModel:
+    # gguf_blocks: a GGUF file whose tensors load as blocks (--quantization gguf) instead of path's weights.
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     hf_config = read_config(path)
     model_cls = get_model_class(resolve_architecture(hf_config))  # ValueError before any heavy work
     local_config = hf_config if tp is None else shard_config(hf_config, tp.world_size)  # heads must divide
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-    if not files:
+    if not files and gguf_blocks is None:
         raise ValueError(f"no *.safetensors weights in {path}")
     own_tokenizer = tokenizer_path is None
     tokenizer_path = tokenizer_path or path
@@ -182,7 +189,10 @@ def _load_hf_dir(path: str, model_name: str, device: torch.device, dtype: torch.
                          f"vocabulary of {hf_config.vocab_size}")
 
     backend = get_attention_backend(attn_backend, device)
-    if tp is None:
+    if gguf_blocks is not None:
+        model = model_cls(hf_config, backend, device=device, dtype=dtype)
+        _load_gguf_blocks(model, gguf_blocks, hf_config)
+    elif tp is None:
         model = model_cls(hf_config, backend, device=device, dtype=dtype)
         model.load_weights(_iter_safetensors(files))
     else:
@@ -227,16 +237,32 @@ def _max_model_len(hf_config) -> int:
 
 # ---------------------------------------------------------------- GGUF conversion
 
-def _convert_gguf(path: str, cache_dir: str) -> None:
-    from safetensors.torch import save_file
+def _convert_gguf(path: str, cache_dir: str, weights: bool = True) -> None:
+    # The cache directory's metadata (config, tokenizer) appears in one rename; the float32 weights (only
+    # the `none` path and tensor parallelism read them) are added once, by another rename, when asked for.
+    reader = _open_gguf(path)
+    arch = _gguf_arch(reader, path)
+    if not os.path.isfile(os.path.join(cache_dir, "config.json")):
+        _write_gguf_metadata(path, cache_dir)
+    if weights and not os.path.isfile(os.path.join(cache_dir, "model.safetensors")):
+        from safetensors.torch import save_file
+
+        logger.info("dequantizing %s into %s (one-time; later loads read the cache)", path, cache_dir)
+        state = _gguf_state_dict(reader, arch, read_config(cache_dir), path)
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".safetensors", dir=cache_dir)
+        os.close(fd)
+        try:
+            save_file(state, tmp, metadata={"format": "pt"})
+            os.replace(tmp, os.path.join(cache_dir, "model.safetensors"))
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+
+
+def _write_gguf_metadata(path: str, cache_dir: str) -> None:
     from transformers import AutoConfig, AutoTokenizer
 
-    logger.info("converting %s into %s (one-time; later loads read the cache)", path, cache_dir)
-    reader = _open_gguf(path)
-    arch_field = reader.fields.get("general.architecture")
-    arch = arch_field.contents() if arch_field is not None else None
-    if arch not in _GGUF_ARCHITECTURES:
-        raise ValueError(f"unsupported GGUF architecture {arch!r} in {path}; supported: {list(_GGUF_ARCHITECTURES)}")
+    logger.info("reading the config and tokenizer of %s into %s (one-time)", path, cache_dir)
     folder, file = os.path.split(path)
     try:
         hf_config = AutoConfig.from_pretrained(folder, gguf_file=file)
@@ -245,12 +271,9 @@ def _convert_gguf(path: str, cache_dir: str) -> None:
         raise ValueError(f"cannot read config/tokenizer metadata from GGUF {path}: {e}") from e
     # GGUF-derived configs carry no `architectures`; record it so the cache is a complete HF directory.
     hf_config.architectures = [resolve_architecture(hf_config)]
-    state = _gguf_state_dict(reader, arch, hf_config, path)
-
     os.makedirs(os.path.dirname(cache_dir), exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".tmp-", dir=os.path.dirname(cache_dir))
     try:
-        save_file(state, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
         hf_config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         with open(os.path.join(tmp, "source.json"), "w") as f:
@@ -260,7 +283,7 @@ def _convert_gguf(path: str, cache_dir: str) -> None:
         try:
             os.rename(tmp, cache_dir)
         except OSError:
-            if not _is_complete(cache_dir):  # lost a race only if the winner finished
+            if not _is_complete(cache_dir, weights=False):  # lost a race only if the winner finished
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -276,41 +299,26 @@ def _open_gguf(path: str):
 
 
 def _gguf_state_dict(reader, arch: str, hf_config, path: str) -> dict[str, torch.Tensor]:
-    from gguf.quants import dequantize
-
-    num_heads = hf_config.num_attention_heads
-    num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
-    state: dict[str, torch.Tensor] = {}
-    for tensor in reader.tensors:
-        if tensor.name in _GGUF_SKIPPED:
-            continue
-        hf_name = _hf_name(tensor.name)
-        if hf_name is None:
-            raise ValueError(f"unexpected tensor {tensor.name!r} in GGUF {path}")
-        try:
-            weight = torch.from_numpy(dequantize(tensor.data, tensor.tensor_type).astype("float32"))  # owned copy
-        except Exception as e:  # noqa: BLE001
-            raise ValueError(f"cannot dequantize {tensor.name} ({tensor.tensor_type.name}) in {path}: {e}") from e
-        # llama.cpp permutes q/k rows (weights and, when present, biases) for its "llama" arch only.
-        if arch == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")):
-            weight = unpermute_qk(weight, num_heads if "q_proj" in hf_name else num_kv_heads)
-        state[hf_name] = weight.contiguous()
-    return state
+    tensors = ((t.name, t.tensor_type, t.data) for t in reader.tensors)
+    return dict(dense_tensors(tensors, arch, hf_config, path))
 
 
-def _hf_name(gguf_name: str) -> str | None:
-    if gguf_name in _GGUF_GLOBAL_NAMES:
-        return _GGUF_GLOBAL_NAMES[gguf_name]
-    parts = gguf_name.split(".")  # blk.N.attn_q.weight
-    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _GGUF_LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}.{parts[3]}"
-    return None
+def _gguf_arch(reader, path: str) -> str:
+    arch_field = reader.fields.get("general.architecture")
+    return _check_arch(arch_field.contents() if arch_field is not None else None, path)
 
 
-def unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
-    # llama.cpp's converter reorders each head's rows from HF's rotate-half layout [x0..x(d/2-1) | y0..]
-    # to interleaved pairs [x0 y0 x1 y1 ...] (its rope is GPT-J style). Undo that per head:
-    #   gguf rows of a head, viewed [d/2, 2] -> transpose -> [2, d/2] -> HF rows.
-    rows = weight.shape[0]
-    return (weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:])
-            .transpose(1, 2).reshape(weight.shape))
+def _check_arch(arch, path: str) -> str:
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(f"unsupported GGUF architecture {arch!r} in {path}; supported: {list(GGUF_ARCHITECTURES)}")
+    return arch
+
+
+def _load_gguf_blocks(model, path: str, hf_config) -> None:
+    # --quantization gguf: the file's blocks straight into the model (model/gguf_weights.py).
+    gguf = open_gguf_file(path)
+    _check_arch(gguf.fields.get("general.architecture"), path)
+    load_gguf_blocks(model, gguf, hf_config)
+
+
+__all__ = ["LoadedModel", "default_model_path", "load_model", "read_config", "resolve_model_dir", "unpermute_qk"]

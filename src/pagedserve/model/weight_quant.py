@@ -1,10 +1,11 @@
 """`--quantization`: weights that stay quantized in memory, one resident copy each.
 
-    gguf  (the default for GGUF files) every weight that is exactly Q4_1 / Q8_0 blocks (layers/quant.py finds
-          them in the dequantized checkpoint) keeps only its block copy: the fp32 tensor and the oneDNN-packed
-          copy are freed. Up to QUANT_MAX_TOKENS rows multiply through the block kernels; larger batches
-          dequantize one layer's weight into a transient fp32 tensor for that call. The embedding (and the tied
-          LM head) reads rows / multiplies from the blocks too. Tensors of other GGUF types stay fp32.
+    gguf  (the default for GGUF files) every Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K tensor is
+          copied from the file as its raw blocks, its only resident copy (model/gguf_weights.py); no fp32 form
+          is built. Up to QUANT_MAX_TOKENS rows multiply through the block GEMM; larger batches dequantize
+          tiles of at most 8 MB into a scratch buffer for torch's fp32 GEMM (layers/gguf_quant.py). The
+          embedding gathers and dequantizes only the rows it reads; a tied LM head multiplies by the same
+          blocks. Tensors of other GGUF types (F16, BF16, Q2_K, ...) stay fp32.
     int8  weight-only int8 for float32 / bfloat16 Hugging Face checkpoints: each weight is quantized at load
           into Q8_0 blocks (int8 codes with one float32 scale per 32 inputs, finer than per channel) and runs
           through the same kernels.
@@ -25,6 +26,8 @@ from torch import nn
 
 from pagedserve import kernels
 from pagedserve.config import QUANTIZATIONS
+from pagedserve.malloc import release_free_memory
+from pagedserve.model.layers.gguf_quant import GGUFWeight, gguf_embedding
 from pagedserve.model.layers.linear import Linear
 from pagedserve.model.layers.quant import BLOCK, dequantize_blocks, quantize_q8_0
 
@@ -58,6 +61,8 @@ class BlockEmbedding(nn.Module):
         self.weight = None  # no dense table; compute_logits multiplies through the blocks
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.blocks[0] == "gguf":
+            return gguf_embedding(self.blocks[1], input_ids)
         fmt, (qs, scales) = self.blocks
         return dequantize_blocks((fmt, (qs[input_ids], scales[input_ids])))
 
@@ -69,38 +74,30 @@ def apply_quantization(model: nn.Module, method: str) -> None:
     dense_before = _weight_bytes(model)
     num_quantized, num_linear = 0, 0
     for m in model.modules():
-        if not isinstance(m, Linear) or m.weight is None:
+        if not isinstance(m, Linear):
             continue
         num_linear += 1
-        if method == "int8" and m.weight.shape[1] % BLOCK == 0:
+        if method == "int8" and m.weight is not None and m.weight.shape[1] % BLOCK == 0:
             m.exact_blocks = ("q8_0", quantize_q8_0(m.weight))
         if m.exact_blocks is not None:
             m.weight, m.packed_weight = None, None
             num_quantized += 1
     embed = model.model.embed_tokens
-    if method == "int8" and model.lm_head is None and embed.weight.shape[1] % BLOCK == 0:
+    if method == "int8" and model.lm_head is None and embed.weight is not None and embed.weight.shape[1] % BLOCK == 0:
         model._lm_head_blocks = ("q8_0", quantize_q8_0(embed.weight))
-    if model.lm_head is None and model._lm_head_blocks is not None:  # tied: one block table serves both
+    if isinstance(embed, BlockEmbedding):
+        pass  # loaded as blocks (model/gguf_weights.py)
+    elif model.lm_head is None and model._lm_head_blocks is not None:  # tied: one block table serves both
         model.model.embed_tokens = BlockEmbedding(model._lm_head_blocks)
         model._lm_head_packed = None
     elif model.lm_head is not None:
         model._lm_head_packed, model._lm_head_blocks = model.lm_head.packed_weight, model.lm_head.exact_blocks
     gc.collect()
-    _return_freed_memory()
-    logger.info("quantization %s: %d of %d linear weights kept only as blocks%s; weights %.0f MB (dense: %.0f MB)",
+    release_free_memory()
+    logger.info("quantization %s: %d of %d linear weights kept only as blocks%s; weights %.0f MB (before: %.0f MB)",
                 method, num_quantized, num_linear,
                 ", embedding too" if isinstance(model.model.embed_tokens, BlockEmbedding) else "",
                 _weight_bytes(model) / 1e6, dense_before / 1e6)
-
-
-def _return_freed_memory() -> None:
-    # glibc keeps freed heap pages mapped; without this the dense copies freed above stay in the resident set.
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def block_logits(hidden: torch.Tensor, blocks) -> torch.Tensor:
@@ -134,7 +131,7 @@ def _weight_bytes(model: nn.Module) -> int:
         for blocks in (getattr(m, "exact_blocks", None), getattr(m, "blocks", None),
                        getattr(m, "_lm_head_blocks", None)):
             if blocks is not None:
-                for t in blocks[1]:
+                for t in blocks[1].parts if isinstance(blocks[1], GGUFWeight) else blocks[1]:
                     add(t)
         add(getattr(m, "packed_weight", None))
         add(getattr(m, "_lm_head_packed", None))

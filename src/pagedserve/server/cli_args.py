@@ -102,7 +102,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
             args.api_key = envs.api_key()  # checked before the slow imports: a bad key fails at once
         from pagedserve.engine.arg_utils import EngineArgs
         from pagedserve.engine.async_engine import AsyncLLMEngine
+        from pagedserve.malloc import tune_for_serving
         from pagedserve.server.app import run_server
+
+        tune_for_serving()  # before the engine thread and the weights (pagedserve/malloc.py)
 
         config = EngineArgs.from_cli_args(args).create_engine_config()
         engine = AsyncLLMEngine.from_config(config)

@@ -8,6 +8,9 @@ allocated with its storage dtype and rows of head_dim + 4 elements, the last 4 a
 """
 from __future__ import annotations
 
+import math
+import mmap
+
 import torch
 
 from pagedserve.attention.kv_quant import row_width
@@ -21,8 +24,19 @@ def kv_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head
 
 def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                        head_dim: int, dtype: torch.dtype, device: str | torch.device) -> list[torch.Tensor]:
-    return [torch.zeros(2, num_blocks, block_size, num_kv_heads, row_width(dtype, head_dim), dtype=dtype,
-                        device=device) for _ in range(num_layers)]
+    shape = (2, num_blocks, block_size, num_kv_heads, row_width(dtype, head_dim))
+    return [_zeros(shape, dtype, torch.device(device)) for _ in range(num_layers)]
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    # On CPU the pool is fresh anonymous memory: zero by definition, and a page becomes resident only when a
+    # block on it is first written, so the pool's pages that no request has reached cost no RSS (torch.zeros
+    # writes every page at start-up). Under full load the whole pool is resident either way.
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    numel = math.prod(shape)
+    buf = mmap.mmap(-1, max(1, numel * torch.empty((), dtype=dtype).element_size()))
+    return torch.frombuffer(buf, dtype=dtype, count=numel).view(shape)
 
 
 def allocate_host_caches(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve import kernels
+from pagedserve.model.layers.gguf_quant import gguf_linear
 from pagedserve.model.layers.quant import dequantize_blocks
 
 
@@ -63,7 +64,10 @@ def find_exact_blocks(weight: torch.Tensor, formats: tuple[str, ...] = ("q4_1", 
 
 
 def quant_linear(x: torch.Tensor, blocks, bias: torch.Tensor | None = None) -> torch.Tensor | None:
-    # y = x W^T through the block copy, or None when this call should take the fp32 path.
+    # y = x W^T through the block copy, or None when this call should take the fp32 path. GGUF blocks
+    # (layers/gguf_quant.py) are the only copy of their weight and take every batch size.
+    if blocks is not None and blocks[0] == "gguf" and x.dim() == 2 and kernels.ops_for(x) is not None:
+        return gguf_linear(x, blocks[1], bias, QUANT_MAX_TOKENS)
     if blocks is None or x.shape[0] > QUANT_MAX_TOKENS or x.dim() != 2 or x.stride(1) != 1:
         return None
     ops = kernels.ops_for(x)
@@ -75,9 +79,18 @@ def quant_linear(x: torch.Tensor, blocks, bias: torch.Tensor | None = None) -> t
 
 class Linear(nn.Linear):
     packed_weight: torch.Tensor | None = None
-    exact_blocks = None  # ("q4_1", (qs, dm)) / ("q8_0", (qs, d)) when the weight is exactly such blocks
+    # ("q4_1", (qs, dm)) / ("q8_0", (qs, d)) when the weight is exactly such blocks; ("gguf", GGUFWeight)
+    # when the weight is only the blocks of its GGUF file (then self.weight is None).
+    exact_blocks = None
+
+    def reset_parameters(self) -> None:
+        # Weights always come from load_weights, so nn.Linear's random init would only cost load time; and
+        # nn.utils.skip_init (init on the meta device) imports torch._dynamo and triton: ~90 MB resident.
+        pass
 
     def pack(self) -> None:
+        if self.weight is None:  # blocks only: nothing to pack
+            return
         self.packed_weight = pack_weight(self.weight)
         self.exact_blocks = find_exact_blocks(self.weight)
 

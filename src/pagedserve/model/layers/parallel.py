@@ -89,7 +89,12 @@ class RowParallelLinear(Linear):
         return self.tp.all_reduce(super().forward(x))
 
 
-class VocabParallelEmbedding(nn.Embedding):
+class Embedding(nn.Embedding):
+    def reset_parameters(self) -> None:
+        pass  # the table always comes from load_weights (see Linear.reset_parameters)
+
+
+class VocabParallelEmbedding(Embedding):
     tp: TensorParallelGroup
     vocab_start: int
 
@@ -105,16 +110,16 @@ def row_linear(in_features: int, out_features: int, bias: bool, device, dtype,
                tp: TensorParallelGroup | None) -> Linear:
     # Weights are always overwritten by load_weights, so random init would only cost load time.
     if tp is None:
-        return nn.utils.skip_init(Linear, in_features, out_features, bias=bias, device=device, dtype=dtype)
-    layer = nn.utils.skip_init(RowParallelLinear, in_features, out_features, bias=bias, device=device, dtype=dtype)
+        return Linear(in_features, out_features, bias=bias, device=device, dtype=dtype)
+    layer = RowParallelLinear(in_features, out_features, bias=bias, device=device, dtype=dtype)
     layer.tp = tp
     return layer
 
 
 def embedding(num_embeddings: int, dim: int, device, dtype, tp: TensorParallelGroup | None) -> nn.Embedding:
     if tp is None:
-        return nn.utils.skip_init(nn.Embedding, num_embeddings, dim, device=device, dtype=dtype)
-    layer = nn.utils.skip_init(VocabParallelEmbedding, num_embeddings, dim, device=device, dtype=dtype)
+        return Embedding(num_embeddings, dim, device=device, dtype=dtype)
+    layer = VocabParallelEmbedding(num_embeddings, dim, device=device, dtype=dtype)
     layer.tp, layer.vocab_start = tp, tp.rank * num_embeddings
     return layer
 

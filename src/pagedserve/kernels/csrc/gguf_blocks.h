@@ -1,0 +1,159 @@
+// GGUF block formats as they lie in the file: each weight row is a run of blocks along the input dimension,
+// and a block rebuilds `Elems` float32 weights from `Bytes` bytes. Types are GGML's ids (gguf-py's
+// GGMLQuantizationType). The formulas follow ggml's reference dequantizers in the same arithmetic order,
+// so a block rebuilds the very floats gguf.quants.dequantize returns: every product below is exact in
+// float32 (an fp16 scale times a small integer) except Q6_K's (d * scale) * q, computed in that order.
+//
+//   Q4_0  [d f16][16 B: q[j] | q[j+16] << 4]                     w = d * (q - 8)
+//   Q4_1  [d f16][m f16][16 B nibbles]                           w = d * q + m
+//   Q5_0  [d f16][qh u32: 5th bits][16 B nibbles]                w = d * (q - 16)
+//   Q5_1  [d f16][m f16][qh u32][16 B nibbles]                   w = d * q + m
+//   Q8_0  [d f16][32 x int8]                                     w = d * q
+//   Q4_K  256: [d f16][dmin f16][12 B: 8 x (6-bit scale, 6-bit min)][128 B nibbles]
+//                                                                w = (d * sc) * q - dmin * mn, per 32
+//   Q5_K  256: as Q4_K plus [32 B: 5th bits] before the nibbles
+//   Q6_K  256: [128 B low nibbles][64 B: 2 high bits][16 x int8 scales][d f16]   w = (d * sc) * (q - 32), per 16
+#pragma once
+
+#include <c10/util/Half.h>
+
+#include <cstdint>
+#include <cstring>
+
+namespace pagedserve::gguf {
+
+enum Type : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
+
+template <int64_t T>
+struct Format;
+template <> struct Format<kQ4_0> { static constexpr int64_t kElems = 32, kBytes = 18; };
+template <> struct Format<kQ4_1> { static constexpr int64_t kElems = 32, kBytes = 20; };
+template <> struct Format<kQ5_0> { static constexpr int64_t kElems = 32, kBytes = 22; };
+template <> struct Format<kQ5_1> { static constexpr int64_t kElems = 32, kBytes = 24; };
+template <> struct Format<kQ8_0> { static constexpr int64_t kElems = 32, kBytes = 34; };
+template <> struct Format<kQ4_K> { static constexpr int64_t kElems = 256, kBytes = 144; };
+template <> struct Format<kQ5_K> { static constexpr int64_t kElems = 256, kBytes = 176; };
+template <> struct Format<kQ6_K> { static constexpr int64_t kElems = 256, kBytes = 210; };
+
+// (elements, bytes) per block, or (0, 0) for a type without a kernel.
+inline void block_shape(int64_t type, int64_t& elems, int64_t& bytes) {
+  switch (type) {
+    case kQ4_0: elems = 32, bytes = 18; return;
+    case kQ4_1: elems = 32, bytes = 20; return;
+    case kQ5_0: elems = 32, bytes = 22; return;
+    case kQ5_1: elems = 32, bytes = 24; return;
+    case kQ8_0: elems = 32, bytes = 34; return;
+    case kQ4_K: elems = 256, bytes = 144; return;
+    case kQ5_K: elems = 256, bytes = 176; return;
+    case kQ6_K: elems = 256, bytes = 210; return;
+    default: elems = 0, bytes = 0;
+  }
+}
+
+inline float f16(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+}
+
+inline uint32_t u32(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// Q4_K / Q5_K: sub-block j's 6-bit scale and min, packed into 12 bytes (ggml's get_scale_min_k4).
+inline void scale_min_k4(int j, const uint8_t* s, int& sc, int& mn) {
+  if (j < 4) {
+    sc = s[j] & 63;
+    mn = s[j + 4] & 63;
+  } else {
+    sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
+    mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+template <int64_t T>
+inline void dequant_block(const uint8_t* b, float* w) {
+  if constexpr (T == kQ4_0 || T == kQ4_1) {
+    const float d = f16(b), m = T == kQ4_1 ? f16(b + 2) : 0.f;
+    const uint8_t* qs = b + (T == kQ4_1 ? 4 : 2);
+    for (int j = 0; j < 16; ++j) {
+      if constexpr (T == kQ4_0) {
+        w[j] = d * static_cast<float>((qs[j] & 15) - 8);
+        w[j + 16] = d * static_cast<float>((qs[j] >> 4) - 8);
+      } else {
+        w[j] = d * static_cast<float>(qs[j] & 15) + m;
+        w[j + 16] = d * static_cast<float>(qs[j] >> 4) + m;
+      }
+    }
+  } else if constexpr (T == kQ5_0 || T == kQ5_1) {
+    const float d = f16(b), m = T == kQ5_1 ? f16(b + 2) : 0.f;
+    const uint32_t qh = u32(b + (T == kQ5_1 ? 4 : 2));
+    const uint8_t* qs = b + (T == kQ5_1 ? 8 : 6);
+    for (int j = 0; j < 16; ++j) {
+      const int x0 = (qs[j] & 15) | (((qh >> j) << 4) & 0x10);
+      const int x1 = (qs[j] >> 4) | ((qh >> (j + 12)) & 0x10);
+      if constexpr (T == kQ5_0) {
+        w[j] = d * static_cast<float>(x0 - 16);
+        w[j + 16] = d * static_cast<float>(x1 - 16);
+      } else {
+        w[j] = d * static_cast<float>(x0) + m;
+        w[j + 16] = d * static_cast<float>(x1) + m;
+      }
+    }
+  } else if constexpr (T == kQ8_0) {
+    const float d = f16(b);
+    const int8_t* qs = reinterpret_cast<const int8_t*>(b + 2);
+    for (int j = 0; j < 32; ++j) w[j] = d * static_cast<float>(qs[j]);
+  } else if constexpr (T == kQ4_K || T == kQ5_K) {
+    const float d = f16(b), dmin = f16(b + 2);
+    const uint8_t* scales = b + 4;
+    const uint8_t* qh = b + 16;  // Q5_K only
+    const uint8_t* qs = b + (T == kQ5_K ? 48 : 16);
+    for (int c = 0; c < 4; ++c) {  // 64 weights: 32 low nibbles, then 32 high nibbles of the same bytes
+      int sc, mn;
+      scale_min_k4(2 * c, scales, sc, mn);
+      const float d1 = d * static_cast<float>(sc), m1 = dmin * static_cast<float>(mn);
+      scale_min_k4(2 * c + 1, scales, sc, mn);
+      const float d2 = d * static_cast<float>(sc), m2 = dmin * static_cast<float>(mn);
+      const uint8_t* q = qs + 32 * c;
+      float* y = w + 64 * c;
+      for (int l = 0; l < 32; ++l) {
+        int lo = q[l] & 15, hi = q[l] >> 4;
+        if constexpr (T == kQ5_K) {
+          lo += ((qh[l] >> (2 * c)) & 1) << 4;
+          hi += ((qh[l] >> (2 * c + 1)) & 1) << 4;
+        }
+        y[l] = d1 * static_cast<float>(lo) - m1;
+        y[l + 32] = d2 * static_cast<float>(hi) - m2;
+      }
+    }
+  } else if constexpr (T == kQ6_K) {
+    const uint8_t* ql = b;
+    const uint8_t* qh = b + 128;
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+    const float d = f16(b + 208);
+    float ds[16];
+    for (int i = 0; i < 16; ++i) ds[i] = d * static_cast<float>(sc[i]);
+    for (int c = 0; c < 2; ++c) {  // 128 weights from 64 ql bytes and 32 qh bytes
+      const uint8_t* l0 = ql + 64 * c;
+      const uint8_t* h0 = qh + 32 * c;
+      const float* s = ds + 8 * c;
+      float* y = w + 128 * c;
+      for (int l = 0; l < 32; ++l) {
+        const int is = l / 16;
+        const int q1 = ((l0[l] & 15) | (((h0[l] >> 0) & 3) << 4)) - 32;
+        const int q2 = ((l0[l + 32] & 15) | (((h0[l] >> 2) & 3) << 4)) - 32;
+        const int q3 = ((l0[l] >> 4) | (((h0[l] >> 4) & 3) << 4)) - 32;
+        const int q4 = ((l0[l + 32] >> 4) | (((h0[l] >> 6) & 3) << 4)) - 32;
+        y[l] = s[is] * static_cast<float>(q1);
+        y[l + 32] = s[is + 2] * static_cast<float>(q2);
+        y[l + 64] = s[is + 4] * static_cast<float>(q3);
+        y[l + 96] = s[is + 6] * static_cast<float>(q4);
+      }
+    }
+  }
+}
+
+}  // namespace pagedserve::gguf

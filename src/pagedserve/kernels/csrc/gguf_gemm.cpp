@@ -1,0 +1,142 @@
+// float32 matmul and dequantization over weights kept as the raw GGUF blocks of the file (gguf_blocks.h).
+//
+//   gemm_gguf(x [M, K] f32, w [N, row_bytes] u8, type, bias?) -> y [M, N] = x W^T (+ bias)
+//   dequant_gguf(w [N, row_bytes] u8, type) -> W [N, K] f32
+//
+// gemm_gguf is the decode path (a few rows of x): bound by reading the weights, so each weight block is
+// rebuilt once into a small float buffer and multiplied into up to 8 rows of x while it sits in L1.
+// Larger batches are compute-bound; the caller dequantizes tiles of W with dequant_gguf into a scratch
+// buffer and hands them to torch's fp32 GEMM (pagedserve/model/layers/gguf_quant.py).
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "checks.h"
+#include "gguf_blocks.h"
+#include "ops_library.h"
+
+namespace {
+
+using namespace pagedserve::gguf;
+
+struct GgufArgs {
+  const float* x;
+  int64_t x_stride, k;
+  const uint8_t* w;
+  int64_t row_bytes;
+  const float* bias;
+  float* y;
+  int64_t y_stride;
+};
+
+template <int64_t T, int MR>
+void gguf_rows_out(const GgufArgs& a, int64_t m0, int64_t n0, int64_t n1) {
+  constexpr int64_t E = Format<T>::kElems, B = Format<T>::kBytes;
+  const int64_t nb = a.k / E;
+  alignas(64) float w[E];
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = a.w + n * a.row_bytes;
+    float out[MR];
+    for (int r = 0; r < MR; ++r) out[r] = 0.f;
+    for (int64_t b = 0; b < nb; ++b) {
+      dequant_block<T>(row + b * B, w);
+      for (int r = 0; r < MR; ++r) {
+        const float* xr = a.x + (m0 + r) * a.x_stride + b * E;
+        float s = 0.f;
+#pragma omp simd reduction(+ : s) aligned(w : 64)
+        for (int64_t j = 0; j < E; ++j) s += w[j] * xr[j];
+        out[r] += s;
+      }
+    }
+    for (int r = 0; r < MR; ++r) a.y[(m0 + r) * a.y_stride + n] = out[r] + (a.bias ? a.bias[n] : 0.f);
+  }
+}
+
+template <int64_t T>
+void gguf_gemm_typed(const GgufArgs& a, int64_t m, int64_t n) {
+  // Threads split the output features; every thread reads only its own weight rows.
+  at::parallel_for(0, n, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t c0 = n0; c0 < n1; c0 += 8) {  // 8 weight rows stay in L1 across the passes over x
+      const int64_t c1 = std::min(c0 + 8, n1);
+      for (int64_t m0 = 0; m0 < m;) {
+        const int64_t left = m - m0;
+        if (left >= 8) gguf_rows_out<T, 8>(a, m0, c0, c1), m0 += 8;
+        else if (left >= 4) gguf_rows_out<T, 4>(a, m0, c0, c1), m0 += 4;
+        else if (left >= 2) gguf_rows_out<T, 2>(a, m0, c0, c1), m0 += 2;
+        else gguf_rows_out<T, 1>(a, m0, c0, c1), m0 += 1;
+      }
+    }
+  });
+}
+
+template <int64_t T>
+void gguf_dequant_typed(const uint8_t* w, int64_t row_bytes, int64_t n, int64_t k, float* out) {
+  constexpr int64_t E = Format<T>::kElems, B = Format<T>::kBytes;
+  at::parallel_for(0, n, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t r = n0; r < n1; ++r)
+      for (int64_t b = 0; b < k / E; ++b) dequant_block<T>(w + r * row_bytes + b * B, out + r * k + b * E);
+  });
+}
+
+#define PAGEDSERVE_GGUF_DISPATCH(type, FN, ...)                             \
+  switch (type) {                                                         \
+    case kQ4_0: FN<kQ4_0>(__VA_ARGS__); break;                            \
+    case kQ4_1: FN<kQ4_1>(__VA_ARGS__); break;                            \
+    case kQ5_0: FN<kQ5_0>(__VA_ARGS__); break;                            \
+    case kQ5_1: FN<kQ5_1>(__VA_ARGS__); break;                            \
+    case kQ8_0: FN<kQ8_0>(__VA_ARGS__); break;                            \
+    case kQ4_K: FN<kQ4_K>(__VA_ARGS__); break;                            \
+    case kQ5_K: FN<kQ5_K>(__VA_ARGS__); break;                            \
+    case kQ6_K: FN<kQ6_K>(__VA_ARGS__); break;                            \
+    default: TORCH_CHECK(false, "unsupported GGUF type ", type);           \
+  }
+
+// The input features K of w's rows: whole blocks of `type`, checked.
+int64_t gguf_features(const at::Tensor& w, int64_t type, const char* op) {
+  pagedserve::check_tensor(w, op, "w", at::kByte, 2, pagedserve::Layout::kContiguous);
+  int64_t elems, bytes;
+  block_shape(type, elems, bytes);
+  TORCH_CHECK(elems > 0, op, ": GGML type ", type, " has no kernel; supported: Q4_0 (2), Q4_1 (3), Q5_0 (6), ",
+              "Q5_1 (7), Q8_0 (8), Q4_K (12), Q5_K (13), Q6_K (14)");
+  TORCH_CHECK(w.size(1) > 0 && w.size(1) % bytes == 0, op, ": a row of w must be whole blocks of ", bytes,
+              " bytes for type ", type, ", got ", w.size(1), " bytes");
+  return w.size(1) / bytes * elems;
+}
+
+at::Tensor gemm_gguf(const at::Tensor& x, const at::Tensor& w, int64_t type, const c10::optional<at::Tensor>& bias) {
+  constexpr const char* op = "gemm_gguf";
+  pagedserve::check_tensor(x, op, "x", at::kFloat, 2, pagedserve::Layout::kRows);
+  const int64_t k = gguf_features(w, type, op), n = w.size(0), m = x.size(0);
+  TORCH_CHECK(x.size(1) == k, op, ": x has ", x.size(1), " features, the weight's rows hold ", k);
+  const float* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    pagedserve::check_tensor(*bias, op, "bias", at::kFloat, 1, pagedserve::Layout::kContiguous);
+    TORCH_CHECK(bias->size(0) == n, op, ": bias has ", bias->size(0), " entries, the weight has ", n, " rows");
+    bp = bias->data_ptr<float>();
+  }
+  at::Tensor y = at::empty({m, n}, x.options());
+  if (m == 0 || n == 0) return y;
+  GgufArgs a{x.data_ptr<float>(), x.stride(0), k, w.data_ptr<uint8_t>(), w.size(1), bp, y.data_ptr<float>(), n};
+  PAGEDSERVE_GGUF_DISPATCH(type, gguf_gemm_typed, a, m, n)
+  return y;
+}
+
+at::Tensor dequant_gguf(const at::Tensor& w, int64_t type) {
+  const int64_t k = gguf_features(w, type, "dequant_gguf"), n = w.size(0);
+  at::Tensor out = at::empty({n, k}, w.options().dtype(at::kFloat));
+  if (n == 0) return out;
+  PAGEDSERVE_GGUF_DISPATCH(type, gguf_dequant_typed, w.data_ptr<uint8_t>(), w.size(1), n, k, out.data_ptr<float>())
+  return out;
+}
+
+}  // namespace
+
+PAGEDSERVE_LIBRARY_FRAGMENT(m) {
+  m.def("gemm_gguf(Tensor x, Tensor w, int type, Tensor? bias) -> Tensor");
+  m.def("dequant_gguf(Tensor w, int type) -> Tensor");
+  m.impl("gemm_gguf", c10::DispatchKey::CPU, gemm_gguf);
+  m.impl("dequant_gguf", c10::DispatchKey::CPU, dequant_gguf);
+}

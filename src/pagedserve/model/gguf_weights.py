@@ -1,0 +1,139 @@
+"""GGUF tensors -> our Llama module tree: names, llama.cpp's q/k row order, and the block load.
+
+`load_gguf_blocks` (--quantization gguf) reads each quantized tensor's bytes from the file (gguf_file.py)
+as they are into the layer that multiplies by them (layers/gguf_quant.py); only norms, biases and tensors
+of types without a kernel (F16, BF16, Q2_K, ...) become float32. The float32 form of a block weight never
+exists, so load-time peak memory is the blocks plus one tensor in flight; nothing maps the file (a weight
+is never a view of it: it may be replaced under a running server).
+"""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from pagedserve.model.gguf_file import GGUFFile
+from pagedserve.model.layers.gguf_quant import GGUF_BLOCK_TYPES, GGUFWeight, concat_rows, gguf_dequantize, row_bytes
+from pagedserve.model.layers.linear import Linear
+
+logger = logging.getLogger(__name__)
+
+# llama.cpp architecture names we can serve; Mistral GGUFs use "llama".
+GGUF_ARCHITECTURES = ("llama", "qwen2")
+# GGUF per-layer tensor name -> HF name inside model.layers.N
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+                 "output.weight": "lm_head.weight"}
+# Precomputed llama3 rope frequencies; our rotary derives them from the config instead.
+SKIPPED = ("rope_freqs.weight",)
+# Our fused linears and the HF tensors whose rows they stack, in order (model/llama.py).
+_FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+          "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+
+
+def hf_name(gguf_name: str) -> str | None:
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    parts = gguf_name.split(".")  # blk.N.attn_q.weight
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    return None
+
+
+def unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    # llama.cpp's converter reorders each head's rows from HF's rotate-half layout [x0..x(d/2-1) | y0..]
+    # to interleaved pairs [x0 y0 x1 y1 ...] (its rope is GPT-J style). Undo that per head:
+    #   gguf rows of a head, viewed [d/2, 2] -> transpose -> [2, d/2] -> HF rows.
+    # Only rows move, so this works on float rows and on rows of raw blocks alike.
+    rows = weight.shape[0]
+    return (weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:])
+            .transpose(1, 2).reshape(weight.shape))
+
+
+def _qk_heads(arch: str, name: str, hf_config) -> int | None:
+    # llama.cpp permutes q/k rows (weights and, when present, biases) for its "llama" arch only.
+    if arch != "llama" or not name.endswith(("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")):
+        return None
+    num_heads = hf_config.num_attention_heads
+    return num_heads if "q_proj" in name else (getattr(hf_config, "num_key_value_heads", None) or num_heads)
+
+
+def dense_tensors(tensors, arch: str, hf_config, path: str):
+    # (HF name, float32 tensor) for (GGUF name, GGMLQuantizationType, numpy data) triples, dequantized with
+    # gguf-py: the `none` path's conversion, and the block path's norms and types without a kernel. The data
+    # is what GGUFReader gives, or rows of raw bytes [..., row_bytes].
+    from gguf.quants import dequantize
+
+    for gguf_name, qtype, data in tensors:
+        if gguf_name in SKIPPED:
+            continue
+        name = _checked_name(gguf_name, path)
+        try:
+            weight = torch.from_numpy(dequantize(data, qtype).astype("float32"))  # owned copy
+        except Exception as e:  # noqa: BLE001
+            raise ValueError(f"cannot dequantize {gguf_name} ({qtype.name}) in {path}: {e}") from e
+        heads = _qk_heads(arch, name, hf_config)
+        yield name, (weight if heads is None else unpermute_qk(weight, heads)).contiguous()
+
+
+def _checked_name(gguf_name: str, path: str) -> str:
+    name = hf_name(gguf_name)
+    if name is None:
+        raise ValueError(f"unexpected tensor {gguf_name!r} in GGUF {path}")
+    return name
+
+
+def load_gguf_blocks(model, gguf: GGUFFile, hf_config) -> None:
+    """Loads the file's tensors into `model` (a LlamaForCausalLM built with placeholder weights): block
+    types as GGUFWeights in the linears and the embedding, everything else through load_weights."""
+    from gguf import GGMLQuantizationType
+
+    from pagedserve.model.weight_quant import BlockEmbedding
+
+    path, arch = gguf.path, gguf.fields.get("general.architecture")
+    blocks: dict[str, GGUFWeight] = {}
+    dense: list[tuple[str, torch.Tensor]] = []
+    for t in gguf.tensors:
+        if t.name in SKIPPED:
+            continue
+        name = _checked_name(t.name, path)
+        data = gguf.read(t).reshape(*reversed(t.shape[1:]), -1)  # rows of bytes, outermost dim first
+        if t.qtype in GGUF_BLOCK_TYPES and name.endswith(".weight") and len(t.shape) == 2:
+            if data.shape[1] != row_bytes(t.qtype, t.shape[0]):
+                raise ValueError(f"corrupt GGUF file {path}: {t.name} has rows of {data.shape[1]} bytes")
+            rows = torch.from_numpy(data)
+            heads = _qk_heads(arch, name, hf_config)
+            blocks[name] = GGUFWeight((t.qtype,), (rows if heads is None else unpermute_qk(rows, heads).contiguous(),),
+                                      t.shape[0])
+        else:
+            dense.extend(dense_tensors([(t.name, GGMLQuantizationType(t.qtype), data)], arch, hf_config, path))
+
+    for module_name, m in model.named_modules():
+        if not isinstance(m, Linear):
+            continue
+        parts = module_name.split(".")  # model.layers.N.self_attn.qkv_proj, lm_head
+        fused = _FUSED.get(".".join(parts[-2:]))
+        sources = [f"{module_name}.weight"] if fused is None else [".".join(parts[:-2] + [s, "weight"]) for s in fused]
+        found = [blocks.pop(s, None) for s in sources]
+        if all(w is not None for w in found):
+            m.weight, m.packed_weight = None, None  # the placeholder goes; the blocks are the weight
+            m.exact_blocks = ("gguf", found[0] if len(found) == 1 else concat_rows(found))
+        else:  # a part without a kernel: the whole fused weight stays float32
+            dense.extend((s, gguf_dequantize(w)) for s, w in zip(sources, found) if w is not None)
+    embed = blocks.pop("model.embed_tokens.weight", None)
+    if embed is not None:
+        model.model.embed_tokens = BlockEmbedding(("gguf", embed))
+        if model.lm_head is None:  # tied: one block table serves the lookup and the LM head
+            model._lm_head_blocks = ("gguf", embed)
+    if model.lm_head is None:
+        blocks.pop("lm_head.weight", None)  # tied checkpoints sometimes still store a copy
+    if blocks:
+        raise ValueError(f"GGUF tensors with no matching layer in {path}: {sorted(blocks)[:5]}")
+    model.load_weights(dense)
+

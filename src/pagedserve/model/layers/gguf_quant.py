@@ -1,0 +1,117 @@
+"""Weights held as the raw blocks of their GGUF file (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K).
+
+The loader copies each quantized tensor's bytes out of the file as they are ([rows, row_bytes] uint8, the
+blocks of a row running along the input dim) and never builds its float32 form; the kernels rebuild
+blocks in registers (kernels/csrc/gguf_gemm.cpp). A fused projection (qkv_proj, gate_up_proj) is the row
+concatenation of its parts, which may come in different types (a Q4_K_M file stores some attn_v and
+ffn_down tensors as Q6_K), so a weight is a list of row segments, one type each:
+
+    GGUFWeight(qtypes=(12, 14), parts=(q|k rows as Q4_K, v rows as Q6_K), in_features=576)
+
+Every batch size goes through the blocks: up to QUANT_MAX_TOKENS rows the block GEMM (bound by reading
+the weights), above that tiles of at most TILE_BYTES of float32 weights are dequantized into a scratch
+buffer and multiplied by torch's fp32 GEMM (bound by arithmetic), so no whole float32 weight ever exists.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedserve import kernels
+
+# GGML type id -> (name, weights per block, bytes per block): the types the kernels rebuild.
+GGUF_BLOCK_TYPES = {2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24),
+                    8: ("Q8_0", 32, 34), 12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210)}
+# Float32 weights one dequantized tile may hold: small next to the model, big enough that torch's GEMM
+# runs at full speed (whole layers of a small model are one tile; the LM head is cut into a few).
+TILE_BYTES = 8 << 20
+
+
+@dataclass(slots=True)
+class GGUFWeight:
+    qtypes: tuple[int, ...]
+    parts: tuple[torch.Tensor, ...]  # uint8 [rows_i, row_bytes_i], contiguous
+    in_features: int
+
+    @property
+    def out_features(self) -> int:
+        return sum(p.shape[0] for p in self.parts)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.numel() for p in self.parts)
+
+    def type_names(self) -> str:
+        return "+".join(dict.fromkeys(GGUF_BLOCK_TYPES[t][0] for t in self.qtypes))
+
+
+def row_bytes(qtype: int, in_features: int) -> int:
+    _, elems, nbytes = GGUF_BLOCK_TYPES[qtype]
+    if in_features % elems:
+        raise ValueError(f"{GGUF_BLOCK_TYPES[qtype][0]} rows hold multiples of {elems} weights, got {in_features}")
+    return in_features // elems * nbytes
+
+
+def concat_rows(weights: list[GGUFWeight]) -> GGUFWeight:
+    # Row concatenation (fused projections); neighbouring parts of one type merge into one part.
+    if len({w.in_features for w in weights}) != 1:
+        raise ValueError("fused GGUF weights must share their input size")
+    qtypes: list[int] = []
+    parts: list[list[torch.Tensor]] = []
+    for w in weights:
+        for t, p in zip(w.qtypes, w.parts):
+            if qtypes and qtypes[-1] == t:
+                parts[-1].append(p)
+            else:
+                qtypes.append(t)
+                parts.append([p])
+    return GGUFWeight(tuple(qtypes), tuple(p[0] if len(p) == 1 else torch.cat(p) for p in parts),
+                      weights[0].in_features)
+
+
+def _ops():
+    ops = kernels.load()
+    if ops is None:
+        raise RuntimeError("GGUF block weights need the compiled CPU kernels (pagedserve/kernels)")
+    return ops
+
+
+def gguf_dequantize(w: GGUFWeight, rows: slice | None = None) -> torch.Tensor:
+    # float32 [rows, in_features]: exactly what gguf.quants.dequantize returns for those rows.
+    ops, rows = _ops(), rows or slice(0, w.out_features)
+    out, start = [], 0
+    for t, p in zip(w.qtypes, w.parts):
+        lo, hi = max(rows.start - start, 0), min(rows.stop - start, p.shape[0])
+        if lo < hi:
+            out.append(ops.dequant_gguf(p[lo:hi], t))
+        start += p.shape[0]
+    return out[0] if len(out) == 1 else torch.cat(out)
+
+
+def gguf_embedding(w: GGUFWeight, ids: torch.Tensor) -> torch.Tensor:
+    # Rows `ids` (any shape) as float32 [..., in_features]: gathers only those rows' blocks.
+    if len(w.parts) != 1:
+        raise ValueError("a GGUF embedding table is one tensor of one type")
+    flat = ids.reshape(-1)
+    return _ops().dequant_gguf(w.parts[0].index_select(0, flat), w.qtypes[0]).reshape(*ids.shape, w.in_features)
+
+
+def gguf_linear(x: torch.Tensor, w: GGUFWeight, bias: torch.Tensor | None, max_gemv_rows: int) -> torch.Tensor:
+    # y = x W^T (+ bias) for float32 x [M, in_features], any M.
+    ops = _ops()
+    x = x.contiguous()
+    if x.shape[0] <= max_gemv_rows:
+        if len(w.parts) == 1:
+            return ops.gemm_gguf(x, w.parts[0], w.qtypes[0], bias)
+        y = torch.cat([ops.gemm_gguf(x, p, t, None) for t, p in zip(w.qtypes, w.parts)], dim=1)
+        return y if bias is None else y.add_(bias)
+    tile_rows = max(16, TILE_BYTES // (4 * w.in_features))
+    if w.out_features <= tile_rows:
+        y = x @ gguf_dequantize(w).t()
+    else:
+        y = torch.empty(x.shape[0], w.out_features, dtype=x.dtype)
+        for r0 in range(0, w.out_features, tile_rows):
+            r1 = min(r0 + tile_rows, w.out_features)
+            y[:, r0:r1] = x @ gguf_dequantize(w, slice(r0, r1)).t()
+    return y if bias is None else y.add_(bias)

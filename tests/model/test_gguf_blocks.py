@@ -1,0 +1,188 @@
+"""GGUF weights kept as the file's raw blocks (--quantization gguf): the kernels rebuild exactly what
+gguf-py's dequantizer returns, for every supported type, at every batch size, in every ISA variant this CPU
+runs; the block loader builds the model the dequantizing loader builds. Synthetic small tensors: the types
+gguf-py can quantize come from gguf.quants.quantize, the K-quants (which it only dequantizes) are random
+blocks with sane fp16 scales, so every bit pattern of their packed scales and high bits is exercised."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFWriter
+from gguf.quants import dequantize, quantize
+
+from pagedserve import kernels
+from pagedserve.attention.backend import get_attention_backend
+from pagedserve.model import gguf_weights
+from pagedserve.model.gguf_file import open_gguf_file
+from pagedserve.model.gguf_weights import dense_tensors, load_gguf_blocks
+from pagedserve.model.layers import gguf_quant
+from pagedserve.model.layers.gguf_quant import GGUFWeight, concat_rows, gguf_embedding, gguf_linear
+from pagedserve.model.llama import LlamaForCausalLM
+from pagedserve.model.weight_quant import BlockEmbedding
+from pagedserve.quality import teacher_forced_logits
+from pagedserve.worker.kv_cache import allocate_kv_caches
+
+T = GGMLQuantizationType
+TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
+ISAS = kernels.parity_isas()
+pytestmark = pytest.mark.skipif(not ISAS, reason="the compiled kernels could not be built here")
+
+
+def random_blocks(qtype: GGMLQuantizationType, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    # uint8 [rows, row_bytes] as a GGUF file stores a [rows, cols] weight of this type.
+    try:
+        return quantize(rng.standard_normal((rows, cols)).astype(np.float32) * 0.1, qtype)
+    except NotImplementedError:  # gguf-py dequantizes the K-quants but cannot quantize them
+        elems, nbytes = GGML_QUANT_SIZES[qtype]
+        raw = rng.integers(0, 256, (rows, cols // elems, nbytes), dtype=np.uint8)
+
+        def f16(scale: float) -> np.ndarray:
+            return (rng.random(raw.shape[:2]) * scale + scale / 10).astype(np.float16).view(np.uint8).reshape(
+                *raw.shape[:2], 2)
+
+        if qtype == T.Q6_K:
+            raw[..., 208:210] = f16(2e-4)  # d is the block's last field
+        else:
+            raw[..., 0:2], raw[..., 2:4] = f16(1e-3), f16(1e-3)  # d, dmin
+        return raw.reshape(rows, -1)
+
+
+def reference(raw: np.ndarray, qtype: GGMLQuantizationType) -> torch.Tensor:
+    return torch.from_numpy(dequantize(raw, qtype).astype(np.float32))
+
+
+def as_weight(raw: np.ndarray, qtype: GGMLQuantizationType, cols: int) -> GGUFWeight:
+    return GGUFWeight((int(qtype),), (torch.from_numpy(raw.copy()),), cols)
+
+
+@pytest.mark.parametrize("isa_name", ISAS)
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_block_kernels_match_gguf_dequantize(isa_name: str, qtype, monkeypatch) -> None:
+    rng = np.random.default_rng(int(qtype))
+    rows, cols = 40, 512
+    raw = random_blocks(qtype, rows, cols, rng)
+    ref = reference(raw, qtype)
+    w = as_weight(raw, qtype, cols)
+    x = torch.randn(21, cols, generator=torch.Generator().manual_seed(0))
+    bias = torch.randn(rows, generator=torch.Generator().manual_seed(1))
+    monkeypatch.setattr(gguf_quant, "TILE_BYTES", 16 * cols * 4)  # the batched path cuts 40 rows into 3 tiles
+    with kernels.use_isa(isa_name) as ops:
+        assert torch.equal(ops.dequant_gguf(w.parts[0], int(qtype)), ref)  # bit for bit
+        ids = torch.tensor([[3, 0], [39, 3]])
+        assert torch.equal(gguf_embedding(w, ids), ref[ids])
+        for m in (1, 2, 3, 5, 8, 21):  # block GEMM passes of 8/4/2/1 rows, then dequantized tiles
+            want = torch.nn.functional.linear(x[:m], ref, bias)
+            torch.testing.assert_close(gguf_linear(x[:m], w, bias, max_gemv_rows=8), want, rtol=1e-5, atol=1e-5)
+
+
+def test_mixed_type_rows_and_bad_input() -> None:
+    # A fused projection whose parts have different types (as in Q4_K_M files: q/k Q4_K, v Q6_K).
+    rng = np.random.default_rng(7)
+    parts = [(T.Q4_K, 64), (T.Q4_K, 32), (T.Q6_K, 32)]
+    raws = [random_blocks(t, n, 256, rng) for t, n in parts]
+    fused = concat_rows([as_weight(r, t, 256) for r, (t, _) in zip(raws, parts)])
+    assert fused.qtypes == (int(T.Q4_K), int(T.Q6_K)) and [p.shape[0] for p in fused.parts] == [96, 32]
+    ref = torch.cat([reference(r, t) for r, (t, _) in zip(raws, parts)])
+    x = torch.randn(12, 256)
+    for m in (1, 12):
+        torch.testing.assert_close(gguf_linear(x[:m], fused, None, max_gemv_rows=8), x[:m] @ ref.T,
+                                   rtol=1e-5, atol=1e-5)
+    ops = kernels.load()
+    with pytest.raises(RuntimeError, match="gemm_gguf: x has 128 features, the weight's rows hold 256"):
+        ops.gemm_gguf(torch.randn(1, 128), fused.parts[0], int(T.Q4_K), None)
+    with pytest.raises(RuntimeError, match="whole blocks of 144 bytes"):
+        ops.gemm_gguf(torch.randn(1, 256), fused.parts[0][:, :100].contiguous(), int(T.Q4_K), None)
+    with pytest.raises(RuntimeError, match="GGML type 1 has no kernel"):
+        ops.dequant_gguf(fused.parts[0], 1)
+
+
+# ---------------------------------------------------------------- the block loader on a tiny GGUF
+
+HIDDEN, INTER, VOCAB, HEADS, KV_HEADS = 256, 512, 96, 4, 2
+# Every kernel type somewhere, fused projections of mixed types, a type without a kernel (F16) in a fused
+# weight, and an F32 norm.
+LAYER_TYPES = {"attn_q": T.Q4_K, "attn_k": T.Q5_K, "attn_v": T.Q6_K, "attn_output": T.Q4_0,
+               "ffn_gate": T.Q5_0, "ffn_up": T.Q5_1, "ffn_down": T.Q8_0}
+
+
+def tiny_config(tied: bool):
+    return transformers.LlamaConfig(hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=2,
+                                    num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, vocab_size=VOCAB,
+                                    max_position_embeddings=64, tie_word_embeddings=tied, rms_norm_eps=1e-5)
+
+
+def write_gguf(path: str, tied: bool, layer_types: dict) -> None:
+    rng = np.random.default_rng(3)
+    w = GGUFWriter(path, "llama")
+    shapes = {"attn_q": (HIDDEN, HIDDEN), "attn_k": (KV_HEADS * 64, HIDDEN), "attn_v": (KV_HEADS * 64, HIDDEN),
+              "attn_output": (HIDDEN, HIDDEN), "ffn_gate": (INTER, HIDDEN), "ffn_up": (INTER, HIDDEN),
+              "ffn_down": (HIDDEN, INTER)}
+
+    def add(name: str, qtype, rows: int, cols: int) -> None:
+        if qtype == T.F16:
+            w.add_tensor(name, (rng.standard_normal((rows, cols)) * 0.05).astype(np.float16))
+        else:
+            w.add_tensor(name, random_blocks(qtype, rows, cols, rng), raw_dtype=qtype)
+
+    add("token_embd.weight", T.Q8_0, VOCAB, HIDDEN)
+    for i in range(2):
+        for kind, qtype in layer_types.items():
+            add(f"blk.{i}.{kind}.weight", qtype, *shapes[kind])
+        for norm in ("attn_norm", "ffn_norm"):
+            w.add_tensor(f"blk.{i}.{norm}.weight", (1 + 0.1 * rng.standard_normal(HIDDEN)).astype(np.float32))
+    w.add_tensor("output_norm.weight", np.ones(HIDDEN, dtype=np.float32))
+    if not tied:
+        add("output.weight", T.Q4_1, VOCAB, HIDDEN)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def _logits(model, ids: list[int], chunk: int) -> torch.Tensor:
+    caches = allocate_kv_caches(2, 4, 16, KV_HEADS, 64, torch.float32, torch.device("cpu"))
+    return teacher_forced_logits(model, ids, caches, 16, chunk)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_block_loader_equals_dequantized_model(tmp_path, tied: bool) -> None:
+    path = str(tmp_path / "tiny.gguf")
+    layer_types = dict(LAYER_TYPES, attn_v=T.F16) if tied else LAYER_TYPES  # tied: a float part in qkv_proj
+    write_gguf(path, tied, layer_types)
+    config = tiny_config(tied)
+    backend = get_attention_backend("reference", torch.device("cpu"))
+    reader = GGUFReader(path)  # the reference: gguf-py's own reader and dequantizer
+    dense = LlamaForCausalLM(config, backend, dtype=torch.float32)
+    dense.load_weights(dense_tensors(((t.name, t.tensor_type, t.data) for t in reader.tensors), "llama", config, path))
+    blocks = LlamaForCausalLM(config, backend, dtype=torch.float32)
+    load_gguf_blocks(blocks, open_gguf_file(path), config)
+
+    assert isinstance(blocks.model.embed_tokens, BlockEmbedding)
+    qkv = blocks.model.layers[0].self_attn.qkv_proj
+    if tied:  # one float part: the whole fused weight is float32
+        assert qkv.exact_blocks is None and qkv.weight is not None
+        assert blocks._lm_head_blocks[1] is blocks.model.embed_tokens.blocks[1]
+    else:
+        assert qkv.weight is None and qkv.exact_blocks[1].type_names() == "Q4_K+Q5_K+Q6_K"
+        assert blocks.lm_head.weight is None and blocks._lm_head_blocks[1].type_names() == "Q4_1"
+    assert blocks.model.layers[1].mlp.gate_up_proj.exact_blocks[1].type_names() == "Q5_0+Q5_1"
+    ids = [int(i) for i in np.random.default_rng(0).integers(0, VOCAB, 24)]
+    for chunk in (4, 24):  # block GEMM (decode-sized), dequantized tiles (prefill-sized)
+        torch.testing.assert_close(_logits(blocks, ids, chunk), _logits(dense, ids, chunk), rtol=1e-4, atol=1e-4)
+
+
+def test_block_loader_rejects_unknown_tensors(tmp_path) -> None:
+    path = str(tmp_path / "odd.gguf")
+    w = GGUFWriter(path, "llama")
+    w.add_tensor("blk.0.attn_qq.weight", random_blocks(T.Q4_0, 8, 32, np.random.default_rng(0)), raw_dtype=T.Q4_0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    model = LlamaForCausalLM(tiny_config(True), get_attention_backend("reference", torch.device("cpu")),
+                             dtype=torch.float32)
+    with pytest.raises(ValueError, match="unexpected tensor 'blk.0.attn_qq.weight'"):
+        load_gguf_blocks(model, open_gguf_file(path), tiny_config(True))
+    assert gguf_weights.hf_name("blk.3.ffn_down.weight") == "model.layers.3.mlp.down_proj.weight"
