@@ -50,16 +50,6 @@ def test_peers_measured_in_one_run(script, tmp_path, monkeypatch):
     assert len(fast.bodies) == 4 and fast.bodies[0]["ignore_eos"] is True
 
 
-@pytest.fixture(scope="module")
-def script():
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    try:
-        import serving as module
-    finally:
-        sys.path.pop(0)
-    return module
-
-
 def test_also_parsing(script):
     assert script.parse_also(["vllm=http://127.0.0.1:8001", " llama.cpp = http://h:1/v1"]) == [
         ("vllm", "http://127.0.0.1:8001"), ("llama.cpp", "http://h:1/v1")]

@@ -217,6 +217,7 @@ class ModelRunner:
         self.draft_probs.update(q)
         return out
 
+
 def verify_output(req_ids: list[str], drafts: list[list[int]], logits: torch.Tensor, batch: SamplingBatch,
                   prompt_logprobs, draft_probs: torch.Tensor | None = None) -> ModelRunnerOutput:
     # Speculative step: each row's accepted drafts go in SpecDecodeOutput, its last token where a plain
