@@ -102,3 +102,10 @@ def test_serving_load_does_not_import_transformers_config_classes(embedded_model
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=os.environ)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_unwritable_cache_still_reads(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "cache").write_text("a file where the cache directory should be")
+    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    CONFIGS["llama"]().save_pretrained(tmp_path / "m")
+    assert read_config(str(tmp_path / "m")).hidden_size == 64

@@ -19,12 +19,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import tempfile
 from importlib import metadata
 from types import SimpleNamespace
 
 from pagedserve import envs
+
+logger = logging.getLogger(__name__)
 
 
 class HFConfig(SimpleNamespace):
@@ -49,7 +52,10 @@ def read_config(path: str):
             text = f.read()
     else:
         text = json.dumps(_resolve_with_transformers(path))
-        _write_atomically(cached, text)
+        try:
+            _write_atomically(cached, text)
+        except OSError as e:  # a read-only cache costs the transformers import on every start, nothing else
+            logger.warning("cannot cache the resolved config of %s in %s: %s", path, cached, e)
     fields = json.loads(text)  # the same object whether it came from transformers or the cache
     fields["_name_or_path"] = path  # as AutoConfig sets it; not part of the cached content
     return HFConfig(**fields)
