@@ -138,8 +138,8 @@ def main() -> None:
     child += ["--model", args.model] if args.model else []
     stages = json.loads(subprocess.run(child, check=True, capture_output=True, text=True).stdout.splitlines()[-1])
     server = measure_server(args.model, args.dtype)
-    result = {"machine": machine_info(), "dtype": args.dtype, "env": {k: os.environ.get(k) for k in ("MALLOC_ARENA_MAX",)},
-              "stages_mb": stages, "server_mb": server}
+    result = {"machine": machine_info(), "dtype": args.dtype,
+              "env": {k: os.environ.get(k) for k in ("MALLOC_ARENA_MAX",)}, "stages_mb": stages, "server_mb": server}
     for s in stages:
         print(f"{s['stage']:<28} RSS {s['VmRSS']:7.1f}  anon {s['RssAnon']:7.1f}  file {s['RssFile']:6.1f}  "
               f"peak {s['VmHWM']:7.1f} MB")

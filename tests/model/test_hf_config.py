@@ -87,7 +87,8 @@ def test_embedded_tokenizer_and_chat_template_unchanged(embedded_model) -> None:
     tools = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather",
                                                "parameters": {"type": "object",
                                                               "properties": {"city": {"type": "string"}}}}}]
-    for kwargs in ({}, {"add_generation_prompt": True}, {"tools": tools}, {"tools": tools, "add_generation_prompt": True}):
+    for kwargs in ({}, {"add_generation_prompt": True}, {"tools": tools},
+                   {"tools": tools, "add_generation_prompt": True}):
         assert got.apply_chat_template(messages, tokenize=False, **kwargs) == \
             expected.apply_chat_template(messages, tokenize=False, **kwargs), kwargs
 

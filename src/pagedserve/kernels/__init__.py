@@ -10,8 +10,9 @@ sources, the torch install and the variant's flags, never by the CPU that built 
 between machines; a second process loads the finished library directly (milliseconds, no cpp_extension
 import), and concurrent first builds are serialized by cpp_extension's lock. Variants are built lazily, only
 when loaded: `scripts/setup` builds the chosen one and `baseline` (what the tests compare; about two minutes
-each on two busy cores), so the first engine start and the tests do not pay the compile. A variant this CPU cannot run is never built here; `syntax_check` still
-compiles its sources (without code generation) so CI on any x86 machine catches a broken AVX-512 path.
+each on two busy cores), so the first engine start and the tests do not pay the compile. A variant this CPU
+cannot run is never built here; `syntax_check` still compiles its sources (without code generation) so CI on
+any x86 machine catches a broken AVX-512 path.
 """
 from __future__ import annotations
 
