@@ -10,7 +10,9 @@ Two measurements, each in a fresh process:
   server  the real `pagedserve serve --kv-cache-memory 100000000` after /health answers, then after a few
           completion requests (the number issue 11 sets the target for).
 
-    python benchmarks/memory.py [--model PATH] [--out benchmarks/results/memory.json]
+    python benchmarks/memory.py [--model PATH] [--dtype float32|auto|bfloat16] [--out benchmarks/results/memory.json]
+
+--dtype is the server's --dtype (auto: what this CPU resolves it to); the stage process uses the same dtype.
 """
 from __future__ import annotations
 
@@ -38,7 +40,7 @@ def read_status(pid: int | str = "self") -> dict[str, float]:
     return {k: int(re.search(rf"{k}:\s+(\d+)", text).group(1)) * 1024 / 1e6 for k in _FIELDS}
 
 
-def run_stages(model: str | None) -> list[dict]:
+def run_stages(model: str | None, dtype_name: str) -> list[dict]:
     # In this (child) process: record memory after each start-up step.
     stages = [{"stage": "python", **read_status()}]
     import torch
@@ -49,19 +51,22 @@ def run_stages(model: str | None) -> list[dict]:
 
     stages.append({"stage": "serving imports", **read_status()})
     from pagedserve.config import CacheConfig
+    from pagedserve.model.dtypes import resolve_dtype
     from pagedserve.model.loader import load_model
     from pagedserve.quality import greedy_continuation
     from pagedserve.worker.kv_cache import allocate_kv_caches
     from pagedserve.worker.memory import plan_num_blocks
 
-    loaded = load_model(model, quantization=None)
-    stages.append({"stage": f"weights ({loaded.quantization})", **read_status()})
+    dtype, _ = resolve_dtype(dtype_name, torch.device("cpu"))
+    loaded = load_model(model, dtype=dtype, quantization=None)
+    stages.append({"stage": f"weights ({str(dtype).removeprefix('torch.')}, {loaded.quantization})",
+                   **read_status()})
     m, hf = loaded.model, loaded.hf_config
     cache = CacheConfig(block_size=16, kv_cache_memory_bytes=KV_BYTES)
-    num_blocks = plan_num_blocks(cache, hf.num_hidden_layers, m.num_kv_heads, m.head_dim, torch.float32,
+    num_blocks = plan_num_blocks(cache, hf.num_hidden_layers, m.num_kv_heads, m.head_dim, dtype,
                                  torch.device("cpu"))
     caches = allocate_kv_caches(hf.num_hidden_layers, num_blocks, 16, m.num_kv_heads, m.head_dim,
-                                torch.float32, torch.device("cpu"))
+                                dtype, torch.device("cpu"))
     stages.append({"stage": f"KV pool ({num_blocks} blocks)", **read_status()})
     ids = list(range(1000, 1256))
     greedy_continuation(m, ids, caches, 16, max_tokens=16, chunk=64)  # prefill (> 8 rows), then decode (1 row)
@@ -78,9 +83,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def measure_server(model: str | None, timeout_s: float = 600.0) -> dict:
+def measure_server(model: str | None, dtype_name: str, timeout_s: float = 600.0) -> dict:
     port = _free_port()
-    cmd = [sys.executable, "-m", "pagedserve.cli", "serve", "--port", str(port), "--kv-cache-memory", str(KV_BYTES)]
+    cmd = [sys.executable, "-m", "pagedserve.cli", "serve", "--port", str(port), "--kv-cache-memory", str(KV_BYTES),
+           "--dtype", dtype_name]
     if model:
         cmd[4:4] = ["--model", model]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -121,17 +127,19 @@ def measure_server(model: str | None, timeout_s: float = 600.0) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="GGUF file or HF directory (default: the embedded model)")
+    p.add_argument("--dtype", default="float32", help="the server's --dtype (default float32)")
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "memory.json"))
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
-        print(json.dumps(run_stages(args.model)))
+        print(json.dumps(run_stages(args.model, args.dtype)))
         return
-    child = [sys.executable, os.path.abspath(__file__), "--child"] + (["--model", args.model] if args.model else [])
+    child = [sys.executable, os.path.abspath(__file__), "--child", "--dtype", args.dtype]
+    child += ["--model", args.model] if args.model else []
     stages = json.loads(subprocess.run(child, check=True, capture_output=True, text=True).stdout.splitlines()[-1])
-    server = measure_server(args.model)
-    result = {"machine": machine_info(), "env": {k: os.environ.get(k) for k in ("MALLOC_ARENA_MAX",)},
-              "stages_mb": stages, "server_mb": server}
+    server = measure_server(args.model, args.dtype)
+    result = {"machine": machine_info(), "dtype": args.dtype,
+              "env": {k: os.environ.get(k) for k in ("MALLOC_ARENA_MAX",)}, "stages_mb": stages, "server_mb": server}
     for s in stages:
         print(f"{s['stage']:<28} RSS {s['VmRSS']:7.1f}  anon {s['RssAnon']:7.1f}  file {s['RssFile']:6.1f}  "
               f"peak {s['VmHWM']:7.1f} MB")

@@ -2,6 +2,10 @@
 the kernels this CPU runs (the portable ones too); how a variant is chosen."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -269,3 +273,13 @@ def test_env_forces_variant(monkeypatch, caplog) -> None:
         kernels.load()
     monkeypatch.setenv("PAGEDSERVE_CPU_ISA", "auto")
     assert kernels.load() is torch.ops.pagedserve_baseline and kernels.selected_isa() == "baseline"
+
+
+@pytest.mark.skipif(ops is None, reason="CPU kernels could not be built here")
+def test_built_library_loads_without_cpp_extension() -> None:
+    # This process built or loaded the library, so a new process finds it and loads it directly.
+    code = ("import sys; from pagedserve import kernels; assert kernels.load() is not None; "
+            "print('torch.utils.cpp_extension' in sys.modules, kernels.selected_isa())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=os.environ)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", kernels.selected_isa()]

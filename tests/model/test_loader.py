@@ -12,6 +12,7 @@ import torch
 import transformers
 
 from pagedserve.model import loader
+from pagedserve.model.hf_config import as_transformers_config
 from pagedserve.model.loader import default_model_path, load_model, unpermute_qk
 from tests.paged_metadata import run_paged_schedule
 from tests.tiny_models import random_hf_model, save_hf_dir
@@ -26,7 +27,7 @@ def hf_gguf_model(embedded_model):
     # (our cache stores it unchanged but for `architectures`); reusing it saves re-parsing the vocabulary.
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    model = transformers.LlamaForCausalLM(embedded_model.hf_config).eval()
+    model = transformers.LlamaForCausalLM(as_transformers_config(embedded_model.hf_config)).eval()
     tensors = load_gguf_checkpoint(default_model_path(), return_tensors=True, model_to_load=model)["tensors"]
     missing, unexpected = model.load_state_dict(tensors, strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)

@@ -7,11 +7,12 @@ kernels are tested against. The variant is chosen once per process from this CPU
 (PAGEDSERVE_CPU_ISA forces one; forcing one the CPU cannot run raises ValueError), and logged;
 `selected_isa()` names it. Each variant's build lives under the pagedserve cache directory, keyed by the
 sources, the torch install and the variant's flags, never by the CPU that built it, so a cache can move
-between machines; a second process loads it in milliseconds, and concurrent first builds are serialized by
-cpp_extension's lock. Variants are built lazily, only when loaded: `scripts/setup` builds the chosen one and
-`baseline` (what the tests compare; about two minutes each on two busy cores), so the first engine start and
-the tests do not pay the compile. A variant this CPU cannot run is never built here; `syntax_check` still
-compiles its sources (without code generation) so CI on any x86 machine catches a broken AVX-512 path.
+between machines; a second process loads the finished library directly (milliseconds, no cpp_extension
+import), and concurrent first builds are serialized by cpp_extension's lock. Variants are built lazily, only
+when loaded: `scripts/setup` builds the chosen one and `baseline` (what the tests compare; about two minutes
+each on two busy cores), so the first engine start and the tests do not pay the compile. A variant this CPU
+cannot run is never built here; `syntax_check` still compiles its sources (without code generation) so CI on
+any x86 machine catches a broken AVX-512 path.
 """
 from __future__ import annotations
 
@@ -101,19 +102,34 @@ def _load_uncached() -> tuple[str | None, object]:
 def _load_variant(variant: isa.Variant):
     if variant.name in _variant_ops:
         return _variant_ops[variant.name]
-    from torch.utils.cpp_extension import load as cpp_load
+    name, build_dir = f"pagedserve_cpu_ops_{variant.name}", _build_dir(variant)
+    if not _load_built(os.path.join(build_dir, f"{name}.so")):
+        from torch.utils.cpp_extension import load as cpp_load
 
-    build_dir = _build_dir(variant)
-    os.makedirs(build_dir, exist_ok=True)
-    _remove_stale_lock(os.path.join(build_dir, "lock"))
-    cpp_load(name=f"pagedserve_cpu_ops_{variant.name}", sources=_SOURCES, build_directory=build_dir,
-             extra_cflags=_cflags(variant), extra_ldflags=_LDFLAGS, is_python_module=False, verbose=False)
+        os.makedirs(build_dir, exist_ok=True)
+        _remove_stale_lock(os.path.join(build_dir, "lock"))
+        cpp_load(name=name, sources=_SOURCES, build_directory=build_dir, extra_cflags=_cflags(variant),
+                 extra_ldflags=_LDFLAGS, is_python_module=False, verbose=False)
     ops = getattr(torch.ops, variant.namespace)
     ops.paged_attention, ops.rms_norm  # noqa: B018  (raises if registration failed)
     if ops.compiled_isa() != variant.name:
         raise RuntimeError(f"the {variant.name} build targets {ops.compiled_isa()}; flags {_cflags(variant)}")
     _variant_ops[variant.name] = ops
     return ops
+
+
+def _load_built(library: str) -> bool:
+    # The build directory's key covers everything the library depends on (_build_dir), so a finished build
+    # there is this one: loaded directly, without cpp_extension (setuptools and a ninja run: ~3 MB resident
+    # and ~80 ms per start). Not while a build holds the lock, and not a library that fails to load.
+    if not os.path.isfile(library) or os.path.exists(os.path.join(os.path.dirname(library), "lock")):
+        return False
+    try:
+        torch.ops.load_library(library)
+    except (OSError, RuntimeError) as e:
+        logger.warning("pagedserve CPU kernels: %s does not load (%s); building it again", library, e)
+        return False
+    return True
 
 
 def load_isa(name: str):

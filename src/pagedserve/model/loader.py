@@ -13,7 +13,8 @@ its weights take one of two roads:
 
 The directory is built under a temporary name and renamed into place, and model.safetensors is written to a
 temporary file and renamed, so each exists complete or not at all. Config and tokenizer come from
-transformers' own GGUF support.
+transformers' own GGUF support. Loading reads config.json as a plain object (model/hf_config.py) and the
+tokenizer with transformers' tokenizer classes only: its config classes are not imported on this path.
 """
 from __future__ import annotations
 
@@ -34,22 +35,24 @@ from torch import nn
 
 from pagedserve import envs
 from pagedserve.attention.backend import get_attention_backend
+from pagedserve.malloc import release_free_memory
 from pagedserve.model.gguf_file import open_gguf_file
 from pagedserve.model.gguf_weights import GGUF_ARCHITECTURES, dense_tensors, load_gguf_blocks, unpermute_qk
+from pagedserve.model.hf_config import HFConfig, read_config
 from pagedserve.model.layers.parallel import shard_config, shard_weights
 from pagedserve.model.registry import get_model_class, resolve_architecture
 from pagedserve.model.weight_quant import apply_quantization, resolve_quantization
 
 if TYPE_CHECKING:
     from pagedserve.distributed.parallel_state import TensorParallelGroup
-    from transformers import PretrainedConfig, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
 logger = logging.getLogger(__name__)
 GGUF_MAGIC = b"GGUF"
 @dataclass(slots=True)
 class LoadedModel:
     model: nn.Module
-    hf_config: PretrainedConfig
+    hf_config: HFConfig  # model/hf_config.py: transformers' config fields without its config classes
     tokenizer: PreTrainedTokenizerFast
     chat_template: str | None
     eos_token_ids: list[int]
@@ -98,6 +101,7 @@ def load_model(path: str | None = None, device: str | torch.device = "cpu",
     loaded = _load_hf_dir(model_dir, name, device, dtype, attn_backend, tokenizer, tp, gguf_blocks=blocks_from)
     apply_quantization(loaded.model, method)
     loaded.quantization = method
+    release_free_memory()  # the tokenizer's parse of tokenizer.json leaves ~30 MB of freed heap resident
     return loaded
 
 
@@ -129,16 +133,6 @@ def _model_source(path: str | None) -> str:
     return path
 
 
-def read_config(path: str):
-    # The model's config.json from a directory resolve_model_dir returned.
-    from transformers import AutoConfig
-
-    try:
-        return AutoConfig.from_pretrained(path)
-    except Exception as e:  # noqa: BLE001 - transformers raises many types for bad configs
-        raise ValueError(f"cannot read config.json in {path}: {e}") from e
-
-
 def _as_dtype(dtype: torch.dtype | str) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
@@ -166,27 +160,13 @@ def _load_hf_dir(path: str, model_name: str, device: torch.device, dtype: torch.
                  attn_backend: str, tokenizer_path: str | None = None,
                  tp: TensorParallelGroup | None = None, gguf_blocks: str | None = None) -> LoadedModel:
     # gguf_blocks: a GGUF file whose tensors load as blocks (--quantization gguf) instead of path's weights.
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
     hf_config = read_config(path)
     model_cls = get_model_class(resolve_architecture(hf_config))  # ValueError before any heavy work
     local_config = hf_config if tp is None else shard_config(hf_config, tp.world_size)  # heads must divide
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files and gguf_blocks is None:
         raise ValueError(f"no *.safetensors weights in {path}")
-    own_tokenizer = tokenizer_path is None
-    tokenizer_path = tokenizer_path or path
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
-    except Exception as e:  # noqa: BLE001
-        raise ValueError(f"cannot load a tokenizer from {tokenizer_path}: {e}") from e
-    if not isinstance(tokenizer, PreTrainedTokenizerFast):
-        raise ValueError(f"{tokenizer_path}: only fast (tokenizer.json) tokenizers are supported, "
-                         f"got {type(tokenizer)}")
-    if not own_tokenizer and len(tokenizer) > hf_config.vocab_size:
-        # Token ids past the embedding table would fail inside a batched step, taking other requests with it.
-        raise ValueError(f"the tokenizer in {tokenizer_path} has {len(tokenizer)} tokens, more than the model's "
-                         f"vocabulary of {hf_config.vocab_size}")
+    tokenizer = load_tokenizer(path, hf_config, tokenizer_path)
 
     backend = get_attention_backend(attn_backend, device)
     if gguf_blocks is not None:
@@ -202,6 +182,27 @@ def _load_hf_dir(path: str, model_name: str, device: torch.device, dtype: torch.
                        chat_template=getattr(tokenizer, "chat_template", None),
                        eos_token_ids=_eos_token_ids(path, hf_config, tokenizer),
                        max_model_len=_max_model_len(hf_config), model_name=model_name)
+
+
+def load_tokenizer(model_dir: str, hf_config, tokenizer_path: str | None = None):
+    """The model's tokenizer, or the one in tokenizer_path (a Hugging Face tokenizer directory)."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    path = tokenizer_path or model_dir
+    try:
+        # Given the model's config, AutoTokenizer picks the class it would pick from config.json, without
+        # reading it through transformers' config classes (model/hf_config.py says what those cost). Another
+        # directory's tokenizer goes with that directory's own config, if it has one.
+        tokenizer = AutoTokenizer.from_pretrained(path, config=hf_config if tokenizer_path is None else None)
+    except Exception as e:  # noqa: BLE001
+        raise ValueError(f"cannot load a tokenizer from {path}: {e}") from e
+    if not isinstance(tokenizer, PreTrainedTokenizerFast):
+        raise ValueError(f"{path}: only fast (tokenizer.json) tokenizers are supported, got {type(tokenizer)}")
+    if tokenizer_path is not None and len(tokenizer) > hf_config.vocab_size:
+        # Token ids past the embedding table would fail inside a batched step, taking other requests with it.
+        raise ValueError(f"the tokenizer in {path} has {len(tokenizer)} tokens, more than the model's "
+                         f"vocabulary of {hf_config.vocab_size}")
+    return tokenizer
 
 
 def _iter_safetensors(files: list[str], lazy: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
@@ -321,4 +322,5 @@ def _load_gguf_blocks(model, path: str, hf_config) -> None:
     load_gguf_blocks(model, gguf, hf_config)
 
 
-__all__ = ["LoadedModel", "default_model_path", "load_model", "read_config", "resolve_model_dir", "unpermute_qk"]
+__all__ = ["LoadedModel", "default_model_path", "load_model", "load_tokenizer", "read_config", "resolve_model_dir",
+           "unpermute_qk"]

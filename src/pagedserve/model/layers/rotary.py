@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from pagedserve import kernels
+from pagedserve.model.hf_config import as_transformers_config
 
 # "dynamic" (NTK) only rescales once a sequence outgrows max_position_embeddings, and the loader caps
 # max_model_len there, so its frequencies at that length (== default) are exact. "longrope" switches
@@ -37,7 +38,7 @@ def compute_inv_freq(hf_config, head_dim: int) -> tuple[torch.Tensor, float]:
         return 1.0 / (params["rope_theta"] ** exponents), 1.0
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, None)
+    inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](as_transformers_config(hf_config), None)
     return inv_freq.float(), float(attention_scaling)
 
 
