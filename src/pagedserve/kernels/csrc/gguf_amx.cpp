@@ -26,6 +26,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "checks.h"
@@ -92,12 +93,21 @@ struct AmxArgs {
 
 template <typename Out>
 void store_tile(const AmxArgs& a, const float* c, int64_t n0, int64_t m0) {
-  // c: 16 weight rows x 16 x rows; y[m0 + j][n0 + i] = c[i][j] (+ bias).
-  Out* y = static_cast<Out*>(a.y);
+  // c: 16 weight rows x 16 x rows; y[m0 + j][n0 + i] = c[i][j] (+ bias): column j of c is 16 outputs of row j.
   const int64_t rows = std::min<int64_t>(16, a.m - m0), cols = std::min<int64_t>(16, a.n - n0);
-  for (int64_t j = 0; j < rows; ++j)
-    for (int64_t i = 0; i < cols; ++i)
-      y[(m0 + j) * a.n + n0 + i] = static_cast<Out>(c[i * 16 + j] + (a.bias ? a.bias[n0 + i] : 0.f));
+  if (cols <= 0) return;  // the zero rows past N in the last pass
+  const __mmask16 valid = static_cast<__mmask16>((1u << cols) - 1);
+  const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                            _mm512_set1_epi32(16));
+  const __m512 bias = a.bias ? _mm512_maskz_loadu_ps(valid, a.bias + n0) : _mm512_setzero_ps();
+  for (int64_t j = 0; j < rows; ++j) {
+    const __m512 v = _mm512_add_ps(_mm512_i32gather_ps(column, c + j, 4), bias);
+    Out* y = static_cast<Out*>(a.y) + (m0 + j) * a.n + n0;
+    if constexpr (std::is_same_v<Out, float>)
+      _mm512_mask_storeu_ps(y, valid, v);
+    else
+      _mm256_mask_storeu_epi16(y, valid, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+  }
 }
 
 // x tiles mt (and mt + 1 when Two) against the 32 buffered weight rows starting at n0.
