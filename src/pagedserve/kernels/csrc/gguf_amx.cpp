@@ -61,19 +61,22 @@ struct alignas(64) TileConfig {
 // One row of weights, nb blocks of 32, as bf16.
 template <int64_t T>
 void dequant_row_bf16(const uint8_t* row, int64_t nb, uint16_t* out) {
+  const __m512 iota = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = row + b * Format<T>::kBytes;
-    const __m512 d = _mm512_set1_ps(f16(blk));
     __m512 lo, hi;  // weights 0-15 and 16-31 of the block
     if constexpr (T == kQ4_1) {
-      const __m512 m = _mm512_set1_ps(f16(blk + 2));
-      const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4));
-      const __m128i nib = _mm_set1_epi8(15);
-      // d * q is exact in float32 (11 x 4 bits), so the fused multiply-add rounds once, like d * q + m.
-      lo = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(q, nib))), m);
-      hi = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(q, 4), nib))), m);
+      // The 16 values a nibble can stand for, d * j + m (d * j is exact in float32, so the fused
+      // multiply-add rounds once, like d * q + m), looked up by each nibble: vpermps reads an index's low 4 bits.
+      const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(u32(blk))));
+      const __m512 table = _mm512_fmadd_ps(_mm512_broadcastss_ps(dm), iota,
+                                           _mm512_broadcastss_ps(_mm_movehdup_ps(dm)));
+      const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4)));
+      lo = _mm512_permutexvar_ps(q, table);
+      hi = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table);
     } else {
       static_assert(T == kQ8_0);
+      const __m512 d = _mm512_set1_ps(f16(blk));
       const __m128i* q = reinterpret_cast<const __m128i*>(blk + 2);
       lo = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q))));
       hi = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1))));

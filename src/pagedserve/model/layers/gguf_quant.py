@@ -36,7 +36,7 @@ TILE_BYTES = 8 << 20
 # The types gemm_gguf_amx multiplies, and the rows up to which it beats dequantized tiles through oneDNN's
 # bf16 GEMM (measured: benchmarks/README.md, "AMX block GEMM").
 AMX_TYPES = (3, 8)
-AMX_MAX_ROWS = 256
+AMX_MAX_ROWS = 512
 
 
 @dataclass(slots=True)
