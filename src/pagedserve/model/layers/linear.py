@@ -9,8 +9,7 @@
 
 The fp32 parameter stays the source of truth: load_weights writes it, then packs again. CUDA, other
 dtypes and builds without oneDNN or the compiled kernels keep F.linear; GGUF block weights
-(layers/gguf_quant.py) are the exception: they also take bfloat16 activations. Measurements: benchmarks/README.md,
-"Profile".
+(layers/gguf_quant.py) also take bfloat16 activations. Measurements: benchmarks/README.md, "Profile".
 """
 from __future__ import annotations
 
