@@ -3,7 +3,8 @@
 //
 //   gemm_gguf_amx(x [M, K] bf16, w [N, row_bytes] u8, type, bias?, dtype?) -> y [M, N] = x W^T (+ bias)
 //
-// Decode is bound by reading the weights: dense bf16 reads 2 bytes per weight, Q4_1 0.625 and Q8_0 1.06.
+// Decode with dense bf16 weights is bound by reading them, 2 bytes per weight; Q4_1 reads 0.625, Q8_0 1.06.
+// Rebuilding the blocks then costs about as much as reading them (benchmarks/README.md, "AMX block GEMM").
 // The blocks are rebuilt in registers (d * q + m in float32, the very floats dequant_gguf returns, then
 // rounded to bf16 as torch's .to(bfloat16) does) and multiplied by TDPBF16PS, which accumulates in float32.
 //
