@@ -161,18 +161,21 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--dtype", default="auto", help="pagedserve --dtype (auto: bf16 on AMX/AVX512-BF16 CPUs)")
     p.add_argument("--also-dtype", default=None, metavar="DTYPE",
                    help="run pagedserve again with this --dtype (e.g. float32) and report the ratio")
+    p.add_argument("--quantization", default=None, help="pagedserve --quantization (default: the engine's)")
+    p.add_argument("--also-quantization", default=None, metavar="Q",
+                   help="run pagedserve again with this --quantization (and --also-dtype, else --dtype)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
 
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     machine = machine_info()
-    def make_llm(dtype: str) -> LLM:
+    def make_llm(dtype: str, quantization: str | None) -> LLM:
         return LLM(max_model_len=args.max_model_len, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                    max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                   num_threads=args.num_threads, dtype=dtype)
+                   num_threads=args.num_threads, dtype=dtype, quantization=quantization)
 
-    llm = make_llm(args.dtype)
+    llm = make_llm(args.dtype, args.quantization)
     engine = llm.llm_engine
     tok = llm.get_tokenizer()
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
@@ -190,21 +193,23 @@ def main(argv: list[str] | None = None) -> dict:
     paged = run_pagedserve(llm, reqs, args.max_model_len)
     results["pagedserve"] = paged
     paged["dtype"] = engine.config.model.dtype  # what --dtype resolved to
+    paged["quantization"] = engine.config.model.quantization
     capacity = engine.kv.num_blocks * engine.kv.block_size
     results["contiguous_max_len_requests_fitting_pool"] = capacity // args.max_model_len
     print(f"pagedserve:   {paged['output_tokens_per_s']:7.2f} output tok/s  ({paged['wall_s']:.1f} s, "
           f"{paged['num_steps']} steps, {paged['num_preemptions']} preemptions)", flush=True)
     del llm, engine
     gc.collect()
-    if args.also_dtype:
-        other_llm = make_llm(args.also_dtype)
+    if args.also_dtype or args.also_quantization:
+        other_llm = make_llm(args.also_dtype or args.dtype, args.also_quantization or args.quantization)
         other = run_pagedserve(other_llm, reqs, args.max_model_len)
         other["dtype"] = other_llm.llm_engine.config.model.dtype
-        results[f"pagedserve_{args.also_dtype}"] = other
-        results[f"ratio_vs_{args.also_dtype}"] = paged["output_tokens_per_s"] / other["output_tokens_per_s"]
-        print(f"pagedserve --dtype {args.also_dtype}: {other['output_tokens_per_s']:7.2f} output tok/s "
-              f"({other['wall_s']:.1f} s); --dtype {args.dtype} is {results[f'ratio_vs_{args.also_dtype}']:.2f}x",
-              flush=True)
+        other["quantization"] = other_llm.llm_engine.config.model.quantization
+        label = "_".join(f"{k}={v}" for k, v in (("dtype", args.also_dtype), ("q", args.also_quantization)) if v)
+        ratio = paged["output_tokens_per_s"] / other["output_tokens_per_s"]
+        results[f"pagedserve_{label}"], results[f"ratio_vs_{label}"] = other, ratio
+        print(f"pagedserve {label}: {other['output_tokens_per_s']:7.2f} output tok/s ({other['wall_s']:.1f} s); "
+              f"the first run is {ratio:.2f}x", flush=True)
         del other_llm
         gc.collect()
 

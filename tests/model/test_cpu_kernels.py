@@ -197,10 +197,13 @@ def test_quant_gemm_matches_fp32(variant_ops, num_tokens: int) -> None:
 
 AVX2_CPU = frozenset({"sse2", "avx", "avx2", "fma", "f16c"})
 AVX512_CPU = AVX2_CPU | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"}
+AMX_CPU = AVX512_CPU | {"amx_tile", "amx_bf16", "amx_int8"}
 
 
 def test_choose_variant() -> None:
     names = lambda vs: [v.name for v in vs]  # noqa: E731
+    assert names(isa.choose("auto", AMX_CPU, "x86_64")) == ["amx", "avx512", "avx2", "baseline"]
+    assert names(isa.choose("auto", AMX_CPU - {"avx512_bf16"}, "x86_64")) == ["avx512", "avx2", "baseline"]
     assert names(isa.choose("auto", AVX512_CPU, "x86_64")) == ["avx512", "avx2", "baseline"]
     assert names(isa.choose("auto", AVX2_CPU, "x86_64")) == ["avx2", "baseline"]
     assert names(isa.choose("auto", frozenset(), "x86_64")) == ["baseline"]
@@ -218,17 +221,19 @@ def test_choose_variant() -> None:
         assert not any("march" in f or "native" in f for f in kernels._cflags(v))
 
 
-@pytest.mark.skipif(ops is None or "avx512" in kernels.runnable_isas(), reason="no compiler, or built and "
-                    "tested above on this AVX-512 CPU")
-def test_avx512_variant_compiles_without_the_cpu(tmp_path) -> None:
-    # The AVX-512 paths (attention tile, block GEMMs) must compile on a build machine that cannot run them;
-    # only the files with such paths, without code generation, to keep it to seconds.
-    csrc = [s for s in kernels._SOURCES if s.endswith(("paged_attention.cpp", "quant_gemm.cpp", "gguf_gemm.cpp"))]
-    kernels.syntax_check("avx512", csrc)
+@pytest.mark.parametrize("name", ["avx512", "amx"])
+def test_variant_compiles_without_the_cpu(tmp_path, name: str) -> None:
+    # The AVX-512 paths (attention tile, block GEMMs) and the AMX kernel must compile on a build machine that
+    # cannot run them; only the files with such paths, without code generation, to keep it to seconds.
+    if ops is None or name in kernels.runnable_isas():
+        pytest.skip(f"no compiler, or the {name} variant is built and tested on this CPU")
+    csrc = [s for s in kernels._SOURCES
+            if s.endswith(("paged_attention.cpp", "quant_gemm.cpp", "gguf_gemm.cpp", "gguf_amx.cpp"))]
+    kernels.syntax_check(name, csrc)
     broken = tmp_path / "broken.cpp"  # and the check can fail
-    broken.write_text("#include <immintrin.h>\n__m512 f(__m512 a) { return _mm512_no_such_intrinsic(a); }\n")
-    with pytest.raises(RuntimeError, match="avx512 variant does not compile"):
-        kernels.syntax_check("avx512", [str(broken)])
+    broken.write_text("#include <immintrin.h>\nvoid f() { _tile_no_such_intrinsic(0); }\n")
+    with pytest.raises(RuntimeError, match=f"{name} variant does not compile"):
+        kernels.syntax_check(name, [str(broken)])
 
 
 def test_baseline_equals_chosen_variant() -> None:

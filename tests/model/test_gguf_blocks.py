@@ -77,6 +77,59 @@ def test_block_kernels_match_gguf_dequantize(isa_name: str, qtype, monkeypatch) 
             torch.testing.assert_close(gguf_linear(x[:m], w, bias, max_gemv_rows=8), want, rtol=1e-5, atol=1e-5)
 
 
+AMX_OPS = kernels.load_isa("amx") if "amx" in kernels.runnable_isas() and ISAS else None
+
+
+@pytest.mark.skipif(AMX_OPS is None, reason="this CPU has no AMX (amx_tile, amx_bf16), or no kernels")
+@pytest.mark.parametrize("qtype", [T.Q4_1, T.Q8_0], ids=lambda t: t.name)
+def test_amx_kernel_matches_bf16_reference(qtype) -> None:
+    # gemm_gguf_amx multiplies the blocks rounded to bf16 (as dequant_gguf(w).bfloat16()) with float32 sums:
+    # x rows in 1, 2 and 9 tiles of 16 (padded), and 40 weight rows (2 passes of 32, the last half empty).
+    rng = np.random.default_rng(int(qtype))
+    rows, cols = 40, 576
+    raw = random_blocks(qtype, rows, cols, rng)
+    w = torch.from_numpy(raw.copy())
+    ref = reference(raw, qtype).bfloat16().float()
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(130, cols + 64, generator=gen).bfloat16()[:, :cols]  # rows apart by more than a row
+    bias = torch.randn(rows, generator=gen)
+    for m in (1, 5, 16, 17, 40, 130):
+        want = x[:m].float() @ ref.T + bias
+        y32 = AMX_OPS.gemm_gguf_amx(x[:m], w, int(qtype), bias, torch.float32)
+        torch.testing.assert_close(y32, want, rtol=1e-5, atol=1e-5)  # measured: max error 3e-6
+        y = AMX_OPS.gemm_gguf_amx(x[:m], w, int(qtype), bias)  # bf16 out: the same sums, rounded once
+        assert y.dtype == torch.bfloat16 and torch.equal(y, y32.bfloat16())
+    assert torch.equal(AMX_OPS.gemm_gguf_amx(x[:3], w, int(qtype), None, torch.float32),
+                       AMX_OPS.gemm_gguf_amx(x[:3], w, int(qtype), torch.zeros(rows), torch.float32))
+    with pytest.raises(RuntimeError, match="GGML type 2 has no AMX kernel"):
+        AMX_OPS.gemm_gguf_amx(x[:1, :32], torch.zeros(4, 18, dtype=torch.uint8), 2, None)
+    with pytest.raises(RuntimeError, match="x must be BFloat16"):
+        AMX_OPS.gemm_gguf_amx(x[:1].float(), w, int(qtype), None)
+
+
+@pytest.mark.parametrize("isa_name", ISAS)
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q8_0, T.Q6_K], ids=lambda t: t.name)
+def test_bf16_activations_through_blocks(isa_name: str, qtype) -> None:
+    # --dtype bfloat16: bf16 in, bf16 out, at every batch size (the AMX kernel where it runs, else float32
+    # block GEMMs on widened x, and bf16 tiles above max_gemv_rows); the embedding returns bf16 rows.
+    rng = np.random.default_rng(int(qtype))
+    rows, cols = 40, 512
+    raw = random_blocks(qtype, rows, cols, rng)
+    ref, w = reference(raw, qtype), as_weight(raw, qtype, cols)
+    x = torch.randn(21, cols, generator=torch.Generator().manual_seed(0)).bfloat16()
+    bias = torch.randn(rows, generator=torch.Generator().manual_seed(1)).bfloat16()
+    with kernels.use_isa(isa_name):
+        ids = torch.tensor([[3, 0], [39, 3]])
+        emb = gguf_embedding(w, ids, torch.bfloat16)
+        assert emb.dtype == torch.bfloat16 and torch.equal(emb, ref[ids].bfloat16())
+        for m in (1, 5, 21):
+            y = gguf_linear(x[:m], w, bias, max_gemv_rows=8)
+            want = x[:m].float() @ ref.T + bias.float()
+            assert y.dtype == torch.bfloat16
+            # bf16 weights (AMX, tiles) and bf16 outputs: a few bf16 steps of outputs of size ~3
+            torch.testing.assert_close(y.float(), want, rtol=1e-2, atol=3e-2)
+
+
 def test_mixed_type_rows_and_bad_input() -> None:
     # A fused projection whose parts have different types (as in Q4_K_M files: q/k Q4_K, v Q6_K).
     rng = np.random.default_rng(7)

@@ -11,7 +11,7 @@ from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.model.layers.quant import dequantize_blocks, find_q4_1, quantize_q8_0
 from pagedserve.model.loader import default_model_path, load_model
 from pagedserve.model.weight_quant import BlockEmbedding, _weight_bytes, resolve_quantization
-from pagedserve.quality import score, teacher_forced_logits
+from pagedserve.quality import greedy_continuation, score, teacher_forced_logits
 from pagedserve.worker.kv_cache import allocate_kv_caches
 
 needs_kernels = pytest.mark.skipif(kernels.load() is None, reason="the block kernels could not be built here")
@@ -20,11 +20,13 @@ TEXT = ("The history of the printing press begins in the fifteenth century, when
         "movable metal type, oil-based ink and a wooden press adapted from those used to make wine.")
 
 
+def _caches(model) -> list[torch.Tensor]:
+    return allocate_kv_caches(len(model.model.layers), 8, 16, model.num_kv_heads, model.head_dim,
+                              model.model.norm.weight.dtype, CPU)
+
+
 def _logits(loaded, ids: list[int], chunk: int) -> torch.Tensor:
-    model = loaded.model
-    caches = allocate_kv_caches(len(model.model.layers), 8, 16, model.num_kv_heads, model.head_dim,
-                                torch.float32, CPU)
-    return teacher_forced_logits(model, ids, caches, 16, chunk)
+    return teacher_forced_logits(loaded.model, ids, _caches(loaded.model), 16, chunk)
 
 
 def test_dequantize_and_int8_blocks() -> None:
@@ -59,6 +61,27 @@ def test_gguf_keeps_one_copy_and_equals_fp32(embedded_model) -> None:
 
 
 @needs_kernels
+def test_gguf_under_bf16_matches_dense_bf16() -> None:
+    # --dtype bfloat16 (what auto picks on CPUs with AMX) keeps the file's blocks: the AMX kernel (or, without
+    # AMX, the float32 block GEMM on widened activations) against the dense bf16 model. The bf16 weights are
+    # the same numbers (blocks rounded to bf16); sums run in float32 in another order.
+    gguf = load_model(None, dtype=torch.bfloat16, quantization=None)
+    dense = load_model(None, dtype=torch.bfloat16, quantization="none")
+    assert gguf.quantization == "gguf" and isinstance(gguf.model.model.embed_tokens, BlockEmbedding)
+    assert _weight_bytes(gguf.model) < _weight_bytes(dense.model) / 2  # measured: 97 MB instead of 270 MB
+    ids = gguf.tokenizer(TEXT)["input_ids"]
+    for chunk in (4, 32):  # decode-sized batches, prefill-sized batches
+        got, want = _logits(gguf, ids, chunk), _logits(dense, ids, chunk)
+        assert got.dtype == want.dtype
+        q = score(got, ids, reference=want)
+        assert q.top1_agreement >= 0.95 and q.mean_kl < 0.005, q  # measured on AMX: identical logits
+    for prompt in ("The capital of France is", "def fibonacci(n):", "Once upon a time"):
+        prompt_ids = gguf.tokenizer(prompt)["input_ids"]
+        runs = [greedy_continuation(m.model, prompt_ids, _caches(m.model), 16, max_tokens=12) for m in (gguf, dense)]
+        assert runs[0] == runs[1], (prompt, runs)
+
+
+@needs_kernels
 def test_int8_weights_close_to_fp32(embedded_model) -> None:
     # The embedded model's converted Hugging Face directory (float32 safetensors) as an int8 checkpoint.
     import os
@@ -86,9 +109,14 @@ def test_bad_combinations_name_the_flag(tmp_path) -> None:
         load_model(gguf, quantization="int8")
     with pytest.raises(ValueError, match="--quantization gguf needs a GGUF file"):
         resolve_quantization("gguf", False, torch.float32, CPU)
-    with pytest.raises(ValueError, match=r"--quantization gguf needs --dtype float32 .* valid values here: none"):
-        resolve_quantization("gguf", True, torch.bfloat16, CPU)
-    assert resolve_quantization(None, True, torch.bfloat16, CPU) == "none"  # unset never fails
+    with pytest.raises(ValueError, match=r"--quantization gguf needs --dtype float32 or bfloat16 .* valid values "
+                                         r"here: none"):
+        resolve_quantization("gguf", True, torch.float16, CPU)
+    with pytest.raises(ValueError, match=r"--quantization int8 needs --dtype float32 on CPU"):
+        resolve_quantization("int8", False, torch.bfloat16, CPU)
+    assert resolve_quantization(None, True, torch.float16, CPU) == "none"  # unset never fails
+    # bf16 (what --dtype auto picks on CPUs with AMX) keeps the blocks too
+    assert resolve_quantization(None, True, torch.bfloat16, CPU) == ("gguf" if kernels.load() is not None else "none")
     assert resolve_quantization(None, False, torch.float32, CPU) == "none"
     with pytest.raises(ValueError, match="--quantization 'q3' is not supported; valid values: gguf, int8, none"):
         EngineArgs(quantization="q3").create_engine_config()

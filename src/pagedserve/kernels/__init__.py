@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 
 _SOURCES = [os.path.join(os.path.dirname(__file__), "csrc", name)
             for name in ("paged_attention.cpp", "layer_ops.cpp", "quant_gemm.cpp", "quant_pack.cpp",
-                          "gguf_gemm.cpp")]
+                          "gguf_gemm.cpp", "gguf_amx.cpp")]
 # Compile-only flags: -ffast-math must not reach the link step (it would link crtfastmath.o, which turns
 # on flush-to-zero for the whole process). The kernels never produce inf/nan from finite inputs.
 # -fopenmp: at::parallel_for is a header template that only goes parallel when compiled with OpenMP. The
@@ -215,7 +215,7 @@ def _remove_stale_lock(path: str, max_age_s: float = 600.0) -> None:
 
 
 # Activation dtypes of the fused layer ops (rms_norm, fused_add_rms_norm_, rotary_embedding_, silu_and_mul) and
-# the attention kernel; the block GEMMs take float32 only.
+# the attention kernel; the block GEMMs take float32 only (gemm_gguf_amx, amx variant only: bfloat16).
 LAYER_DTYPES = (torch.float32, torch.bfloat16)
 
 

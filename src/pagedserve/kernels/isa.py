@@ -28,11 +28,16 @@ class Variant:
 
 
 _AVX2_FLAGS = ("-mavx2", "-mfma", "-mf16c")
-# x86-64-v4's AVX-512 subset (Skylake-SP and later, AMD Zen 4). AVX512-BF16 is left out on purpose: no kernel
-# uses it yet, and requiring it would send Skylake-to-Ice-Lake CPUs to avx2. bf16 code that needs it gets its
-# own variant here (flags + "-mavx512bf16", cpu flags + "avx512_bf16"), placed first.
-_AVX512 = Variant("avx512", _AVX2_FLAGS + ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"),
-                  frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq"}))
+# x86-64-v4's AVX-512 subset (Skylake-SP and later, AMD Zen 4). AVX512-BF16 is left out on purpose:
+# requiring it would send Skylake-to-Ice-Lake CPUs to avx2; the bf16 code that needs it lives in `amx`.
+_AVX512_FLAGS = _AVX2_FLAGS + ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq")
+_AVX512_CPU = frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq"})
+_AVX512 = Variant("avx512", _AVX512_FLAGS, _AVX512_CPU)
+# Sapphire Rapids and later: avx512 plus AMX tiles with bf16 dot products (the bf16 block GEMM,
+# csrc/gguf_amx.cpp) and AVX512-BF16's conversions. The OS must also grant the tile state to the process
+# (arch_prctl, done by the kernel before its first tile instruction).
+_AMX = Variant("amx", _AVX512_FLAGS + ("-mavx512bf16", "-mamx-tile", "-mamx-bf16"),
+               _AVX512_CPU | {"avx512_bf16", "amx_tile", "amx_bf16"})
 _AVX2 = Variant("avx2", _AVX2_FLAGS, frozenset({"avx2", "fma", "f16c"}))
 BASELINE = Variant("baseline", (), frozenset())
 
@@ -41,7 +46,7 @@ def variants(machine: str | None = None) -> tuple[Variant, ...]:
     # Best first: `auto` takes the first one the CPU runs.
     machine = (machine or platform.machine()).lower()
     if machine in ("x86_64", "amd64"):
-        return (_AVX512, _AVX2, BASELINE)
+        return (_AMX, _AVX512, _AVX2, BASELINE)
     return (BASELINE,)
 
 

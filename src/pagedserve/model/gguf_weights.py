@@ -2,9 +2,9 @@
 
 `load_gguf_blocks` (--quantization gguf) reads each quantized tensor's bytes from the file (gguf_file.py)
 as they are into the layer that multiplies by them (layers/gguf_quant.py); only norms, biases and tensors
-of types without a kernel (F16, BF16, Q2_K, ...) become float32. The float32 form of a block weight never
-exists, so load-time peak memory is the blocks plus one tensor in flight; nothing maps the file (a weight
-is never a view of it: it may be replaced under a running server).
+of types without a kernel (F16, BF16, Q2_K, ...) become dense tensors of the model's dtype. The float form
+of a block weight never exists, so load-time peak memory is the blocks plus one tensor in flight; nothing
+maps the file (a weight is never a view of it: it may be replaced under a running server).
 """
 from __future__ import annotations
 
@@ -128,7 +128,7 @@ def load_gguf_blocks(model, gguf: GGUFFile, hf_config) -> None:
             dense.extend((s, gguf_dequantize(w)) for s, w in zip(sources, found) if w is not None)
     embed = blocks.pop("model.embed_tokens.weight", None)
     if embed is not None:
-        model.model.embed_tokens = BlockEmbedding(("gguf", embed))
+        model.model.embed_tokens = BlockEmbedding(("gguf", embed), model.model.norm.weight.dtype)
         if model.lm_head is None:  # tied: one block table serves the lookup and the LM head
             model._lm_head_blocks = ("gguf", embed)
     if model.lm_head is None:

@@ -11,8 +11,9 @@
           through the same kernels.
     none  dequantized fp32 (or --dtype) weights, as loaded.
 
-The block kernels take float32 activations, so gguf and int8 need --dtype float32 and the compiled kernels;
-asking for them otherwise is a start-up error naming the flag. Leaving --quantization unset never fails: it
+gguf runs with --dtype float32 or bfloat16 (so `auto` keeps the file's blocks on CPUs with AMX, multiplied
+in bf16 by the AMX kernel; layers/gguf_quant.py), int8 with float32 only; both need the compiled kernels.
+Asking for them otherwise is a start-up error naming the flag. Leaving --quantization unset never fails: it
 falls back to none where blocks cannot run.
 """
 from __future__ import annotations
@@ -35,19 +36,22 @@ logger = logging.getLogger(__name__)
 
 
 def resolve_quantization(requested: str | None, is_gguf: bool, dtype: torch.dtype, device: torch.device) -> str:
-    runnable = dtype == torch.float32 and device.type == "cpu" and kernels.load() is not None
+    on_cpu = device.type == "cpu" and kernels.load() is not None
+    runnable = {"gguf": on_cpu and dtype in (torch.float32, torch.bfloat16), "int8": on_cpu and dtype == torch.float32}
+    method = "gguf" if is_gguf else "int8"
     if requested is None:
-        return "gguf" if is_gguf and runnable else "none"
+        return "gguf" if is_gguf and runnable["gguf"] else "none"
     if requested not in QUANTIZATIONS:
         raise ValueError(f"--quantization {requested!r} is not supported; valid values: {', '.join(QUANTIZATIONS)}")
-    valid = ", ".join(["gguf" if is_gguf else "int8", "none"] if runnable else ["none"])
+    valid = ", ".join([method, "none"] if runnable[method] else ["none"])
     if requested == "gguf" and not is_gguf:
         raise ValueError(f"--quantization gguf needs a GGUF file; for this model use one of: {valid}")
     if requested == "int8" and is_gguf:
         raise ValueError(f"--quantization int8 quantizes float Hugging Face checkpoints, not a GGUF file; for this "
                          f"model use one of: {valid}")
-    if requested != "none" and not runnable:
-        raise ValueError(f"--quantization {requested} needs --dtype float32 on CPU with the compiled kernels "
+    if requested != "none" and not runnable[requested]:
+        dtypes = "float32 or bfloat16" if requested == "gguf" else "float32"
+        raise ValueError(f"--quantization {requested} needs --dtype {dtypes} on CPU with the compiled kernels "
                          f"(here: {str(dtype).removeprefix('torch.')} on {device.type}, kernels "
                          f"{'on' if kernels.load() is not None else 'unavailable'}); valid values here: {valid}")
     return requested
@@ -55,14 +59,15 @@ def resolve_quantization(requested: str | None, is_gguf: bool, dtype: torch.dtyp
 
 class BlockEmbedding(nn.Module):
     # An embedding table held only as blocks: a lookup dequantizes the rows it reads.
-    def __init__(self, blocks) -> None:
+    def __init__(self, blocks, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.blocks = blocks
+        self.dtype = dtype  # the model's activations
         self.weight = None  # no dense table; compute_logits multiplies through the blocks
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.blocks[0] == "gguf":
-            return gguf_embedding(self.blocks[1], input_ids)
+            return gguf_embedding(self.blocks[1], input_ids, self.dtype)
         fmt, (qs, scales) = self.blocks
         return dequantize_blocks((fmt, (qs[input_ids], scales[input_ids])))
 

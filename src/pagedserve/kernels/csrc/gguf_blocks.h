@@ -15,10 +15,13 @@
 //   Q6_K  256: [128 B low nibbles][64 B: 2 high bits][16 x int8 scales][d f16]   w = (d * sc) * (q - 32), per 16
 #pragma once
 
+#include <ATen/core/Tensor.h>
 #include <c10/util/Half.h>
 
 #include <cstdint>
 #include <cstring>
+
+#include "checks.h"
 
 namespace pagedserve::gguf {
 
@@ -48,6 +51,18 @@ inline void block_shape(int64_t type, int64_t& elems, int64_t& bytes) {
     case kQ6_K: elems = 256, bytes = 210; return;
     default: elems = 0, bytes = 0;
   }
+}
+
+// The input features K of w's rows: whole blocks of `type`, checked.
+inline int64_t features(const at::Tensor& w, int64_t type, const char* op) {
+  pagedserve::check_tensor(w, op, "w", at::kByte, 2, pagedserve::Layout::kContiguous);
+  int64_t elems, bytes;
+  block_shape(type, elems, bytes);
+  TORCH_CHECK(elems > 0, op, ": GGML type ", type, " has no kernel; supported: Q4_0 (2), Q4_1 (3), Q5_0 (6), ",
+              "Q5_1 (7), Q8_0 (8), Q4_K (12), Q5_K (13), Q6_K (14)");
+  TORCH_CHECK(w.size(1) > 0 && w.size(1) % bytes == 0, op, ": a row of w must be whole blocks of ", bytes,
+              " bytes for type ", type, ", got ", w.size(1), " bytes");
+  return w.size(1) / bytes * elems;
 }
 
 inline float f16(const uint8_t* p) {

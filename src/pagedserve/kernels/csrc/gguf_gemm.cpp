@@ -94,22 +94,10 @@ void gguf_dequant_typed(const uint8_t* w, int64_t row_bytes, int64_t n, int64_t 
     default: TORCH_CHECK(false, "unsupported GGUF type ", type);           \
   }
 
-// The input features K of w's rows: whole blocks of `type`, checked.
-int64_t gguf_features(const at::Tensor& w, int64_t type, const char* op) {
-  pagedserve::check_tensor(w, op, "w", at::kByte, 2, pagedserve::Layout::kContiguous);
-  int64_t elems, bytes;
-  block_shape(type, elems, bytes);
-  TORCH_CHECK(elems > 0, op, ": GGML type ", type, " has no kernel; supported: Q4_0 (2), Q4_1 (3), Q5_0 (6), ",
-              "Q5_1 (7), Q8_0 (8), Q4_K (12), Q5_K (13), Q6_K (14)");
-  TORCH_CHECK(w.size(1) > 0 && w.size(1) % bytes == 0, op, ": a row of w must be whole blocks of ", bytes,
-              " bytes for type ", type, ", got ", w.size(1), " bytes");
-  return w.size(1) / bytes * elems;
-}
-
 at::Tensor gemm_gguf(const at::Tensor& x, const at::Tensor& w, int64_t type, const c10::optional<at::Tensor>& bias) {
   constexpr const char* op = "gemm_gguf";
   pagedserve::check_tensor(x, op, "x", at::kFloat, 2, pagedserve::Layout::kRows);
-  const int64_t k = gguf_features(w, type, op), n = w.size(0), m = x.size(0);
+  const int64_t k = features(w, type, op), n = w.size(0), m = x.size(0);
   TORCH_CHECK(x.size(1) == k, op, ": x has ", x.size(1), " features, the weight's rows hold ", k);
   const float* bp = nullptr;
   if (bias.has_value() && bias->defined()) {
@@ -125,7 +113,7 @@ at::Tensor gemm_gguf(const at::Tensor& x, const at::Tensor& w, int64_t type, con
 }
 
 at::Tensor dequant_gguf(const at::Tensor& w, int64_t type) {
-  const int64_t k = gguf_features(w, type, "dequant_gguf"), n = w.size(0);
+  const int64_t k = features(w, type, "dequant_gguf"), n = w.size(0);
   at::Tensor out = at::empty({n, k}, w.options().dtype(at::kFloat));
   if (n == 0) return out;
   PAGEDSERVE_GGUF_DISPATCH(type, gguf_dequant_typed, w.data_ptr<uint8_t>(), w.size(1), n, k, out.data_ptr<float>())

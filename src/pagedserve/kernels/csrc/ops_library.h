@@ -23,7 +23,10 @@ namespace pagedserve {
 // What the compiler targeted for this build; the loader checks it against the variant it asked for, so
 // flags that never reached the compiler (or a stale library) fail loudly instead of running other code.
 inline std::string compiled_isa() {
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__) && \
+    defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  return "amx";
+#elif defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
   return "avx512";
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
   return "avx2";

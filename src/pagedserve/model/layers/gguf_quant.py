@@ -10,10 +10,17 @@ ffn_down tensors as Q6_K), so a weight is a list of row segments, one type each:
 
 Every batch size goes through the blocks: up to QUANT_MAX_TOKENS rows the block GEMM (bound by reading
 the weights), above that tiles of at most TILE_BYTES of float32 weights are dequantized into a scratch
-buffer and multiplied by torch's fp32 GEMM (bound by arithmetic), so no whole float32 weight ever exists.
+buffer and multiplied by torch's GEMM (bound by arithmetic), so no whole float32 weight ever exists.
+
+bfloat16 activations (--dtype bfloat16, what `auto` picks on CPUs with AMX) give bfloat16 outputs. On the
+`amx` kernel variant, Q4_1 and Q8_0 weights multiply up to AMX_MAX_ROWS rows through gemm_gguf_amx
+(csrc/gguf_amx.cpp: blocks rebuilt into bf16 AMX tiles, 0.625 / 1.06 bytes read per weight instead of 2);
+elsewhere, and for the other types, x is widened to float32 for the block GEMM. Larger batches dequantize
+tiles to bfloat16 for torch's bf16 GEMM (oneDNN, AMX where the CPU has it).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +33,10 @@ GGUF_BLOCK_TYPES = {2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22
 # Float32 weights one dequantized tile may hold: small next to the model, big enough that torch's GEMM
 # runs at full speed (whole layers of a small model are one tile; the LM head is cut into a few).
 TILE_BYTES = 8 << 20
+# The types gemm_gguf_amx multiplies, and the rows up to which it beats dequantized tiles through oneDNN's
+# bf16 GEMM (measured: benchmarks/README.md, "AMX block GEMM").
+AMX_TYPES = (3, 8)
+AMX_MAX_ROWS = 512
 
 
 @dataclass(slots=True)
@@ -89,29 +100,46 @@ def gguf_dequantize(w: GGUFWeight, rows: slice | None = None) -> torch.Tensor:
     return out[0] if len(out) == 1 else torch.cat(out)
 
 
-def gguf_embedding(w: GGUFWeight, ids: torch.Tensor) -> torch.Tensor:
-    # Rows `ids` (any shape) as float32 [..., in_features]: gathers only those rows' blocks.
+def gguf_embedding(w: GGUFWeight, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    # Rows `ids` (any shape) as `dtype` [..., in_features]: gathers only those rows' blocks.
     if len(w.parts) != 1:
         raise ValueError("a GGUF embedding table is one tensor of one type")
     flat = ids.reshape(-1)
-    return _ops().dequant_gguf(w.parts[0].index_select(0, flat), w.qtypes[0]).reshape(*ids.shape, w.in_features)
+    rows = _ops().dequant_gguf(w.parts[0].index_select(0, flat), w.qtypes[0])
+    return rows.to(dtype).reshape(*ids.shape, w.in_features)
+
+
+@functools.cache
+def _amx_gemm(ops):
+    # gemm_gguf_amx where `ops` is the amx variant, else None (other builds do not register it).
+    return getattr(ops, "gemm_gguf_amx", None)
 
 
 def gguf_linear(x: torch.Tensor, w: GGUFWeight, bias: torch.Tensor | None, max_gemv_rows: int) -> torch.Tensor:
-    # y = x W^T (+ bias) for float32 x [M, in_features], any M.
+    # y = x W^T (+ bias) for float32 or bfloat16 x [M, in_features], any M; y has x's dtype.
     ops = _ops()
     x = x.contiguous()
+    amx = _amx_gemm(ops) if x.dtype == torch.bfloat16 else None
+    if amx is not None and x.shape[0] <= AMX_MAX_ROWS and all(t in AMX_TYPES for t in w.qtypes):
+        return _by_parts(w, bias, lambda p, t, b: amx(x, p, t, b))
     if x.shape[0] <= max_gemv_rows:
-        if len(w.parts) == 1:
-            return ops.gemm_gguf(x, w.parts[0], w.qtypes[0], bias)
-        y = torch.cat([ops.gemm_gguf(x, p, t, None) for t, p in zip(w.qtypes, w.parts)], dim=1)
-        return y if bias is None else y.add_(bias)
+        x32 = x.float()
+        y = _by_parts(w, None if bias is None else bias.float(), lambda p, t, b: ops.gemm_gguf(x32, p, t, b))
+        return y.to(x.dtype)
     tile_rows = max(16, TILE_BYTES // (4 * w.in_features))
     if w.out_features <= tile_rows:
-        y = x @ gguf_dequantize(w).t()
+        y = x @ gguf_dequantize(w).to(x.dtype).t()
     else:
         y = torch.empty(x.shape[0], w.out_features, dtype=x.dtype)
         for r0 in range(0, w.out_features, tile_rows):
             r1 = min(r0 + tile_rows, w.out_features)
-            y[:, r0:r1] = x @ gguf_dequantize(w, slice(r0, r1)).t()
+            y[:, r0:r1] = x @ gguf_dequantize(w, slice(r0, r1)).to(x.dtype).t()
+    return y if bias is None else y.add_(bias)
+
+
+def _by_parts(w: GGUFWeight, bias: torch.Tensor | None, gemm) -> torch.Tensor:
+    # gemm(part, type, bias) over the row segments of w, concatenated along the output features.
+    if len(w.parts) == 1:
+        return gemm(w.parts[0], w.qtypes[0], bias)
+    y = torch.cat([gemm(p, t, None) for t, p in zip(w.qtypes, w.parts)], dim=1)
     return y if bias is None else y.add_(bias)

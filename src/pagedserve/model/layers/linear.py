@@ -8,8 +8,8 @@
   (layers/quant.py) is read instead: 0.75 bytes per weight instead of 4, the same fp32 products.
 
 The fp32 parameter stays the source of truth: load_weights writes it, then packs again. CUDA, other
-dtypes and builds without oneDNN or the compiled kernels keep F.linear. Measurements: benchmarks/README.md,
-"Profile".
+dtypes and builds without oneDNN or the compiled kernels keep F.linear; GGUF block weights
+(layers/gguf_quant.py) also take bfloat16 activations. Measurements: benchmarks/README.md, "Profile".
 """
 from __future__ import annotations
 
@@ -42,6 +42,8 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | 
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+# Activation dtypes GGUF block weights take (layers/gguf_quant.py); the other block copies take float32.
+GGUF_DTYPES = (torch.float32, torch.bfloat16)
 # Up to this many tokens the block copy wins; above it oneDNN's fp32 GEMM (compute-bound) is faster.
 # Measured at 1 thread, whole model: 1 token 13.7 vs 45.7 ms, 8 tokens 45 vs 69, 16 tokens 98 vs 86.
 QUANT_MAX_TOKENS = 8
@@ -66,7 +68,7 @@ def find_exact_blocks(weight: torch.Tensor, formats: tuple[str, ...] = ("q4_1", 
 def quant_linear(x: torch.Tensor, blocks, bias: torch.Tensor | None = None) -> torch.Tensor | None:
     # y = x W^T through the block copy, or None when this call should take the fp32 path. GGUF blocks
     # (layers/gguf_quant.py) are the only copy of their weight and take every batch size.
-    if blocks is not None and blocks[0] == "gguf" and x.dim() == 2 and kernels.ops_for(x) is not None:
+    if blocks is not None and blocks[0] == "gguf" and x.dim() == 2 and kernels.ops_for(x, GGUF_DTYPES) is not None:
         return gguf_linear(x, blocks[1], bias, QUANT_MAX_TOKENS)
     if blocks is None or x.shape[0] > QUANT_MAX_TOKENS or x.dim() != 2 or x.stride(1) != 1:
         return None

@@ -1,0 +1,227 @@
+// bf16 matmul over raw GGUF Q4_1 / Q8_0 blocks with AMX tiles (Sapphire Rapids and later); only the `amx`
+// variant registers it (other builds compile this file to nothing, and Python takes the portable path).
+//
+//   gemm_gguf_amx(x [M, K] bf16, w [N, row_bytes] u8, type, bias?, dtype?) -> y [M, N] = x W^T (+ bias)
+//
+// Decode with dense bf16 weights is bound by reading them, 2 bytes per weight; Q4_1 reads 0.625, Q8_0 1.06.
+// Rebuilding the blocks then costs about as much as reading them (benchmarks/README.md, "AMX block GEMM").
+// The blocks are rebuilt in registers (d * q + m in float32, the very floats dequant_gguf returns, then
+// rounded to bf16 as torch's .to(bfloat16) does) and multiplied by TDPBF16PS, which accumulates in float32.
+//
+// Roles are swapped so that neither side needs a transpose per weight block: C^T = W x^T. A tile = 16 weight
+// rows x 32 bf16 along K, which is exactly a dequantized row's natural layout; B tile = x^T in the VNNI pair
+// layout (16 K-pairs x 16 rows of x), built once per call since x is small; C tile = 16 weight rows x 16 x
+// rows, stored transposed into y. A thread takes 32 weight rows at a time, rebuilds them for the whole K into
+// a bf16 buffer, then runs every 16-row tile of x (padded with zero rows) against them, two at a time:
+// 2 A x 2 B -> 4 C tiles. Rows of w past N are zero rows of the buffer, so N need not be a multiple of 16.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#include "checks.h"
+#include "gguf_blocks.h"
+#include "ops_library.h"
+
+namespace {
+
+using namespace pagedserve::gguf;
+
+constexpr int64_t kRowsPerPass = 32;  // weight rows per buffer: two A tiles
+
+// Linux hands out the 8 KB tile state only on request, once per process; a tile instruction without it
+// raises SIGILL. A function-local static runs the request exactly once, thread-safely.
+void require_tile_state() {
+  constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  static const bool granted = syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  TORCH_CHECK(granted, "gemm_gguf_amx: the kernel refused this process the AMX tile state (arch_prctl "
+              "ARCH_REQ_XCOMP_PERM); run with PAGEDSERVE_CPU_ISA=avx512 to use the kernels without AMX");
+}
+
+// Tiles 0-3: C (16 x 16 float32); 4, 5: A (16 weight rows x 32 bf16); 6, 7: B (16 K-pairs x 16 x rows x 2 bf16).
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+  TileConfig() {
+    for (int t = 0; t < 8; ++t) colsb[t] = 64, rows[t] = 16;
+  }
+};
+
+// One row of weights, nb blocks of 32, as bf16.
+template <int64_t T>
+void dequant_row_bf16(const uint8_t* row, int64_t nb, uint16_t* out) {
+  const __m512 iota = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = row + b * Format<T>::kBytes;
+    __m512 lo, hi;  // weights 0-15 and 16-31 of the block
+    if constexpr (T == kQ4_1) {
+      // The 16 values a nibble can stand for, d * j + m (d * j is exact in float32, so the fused
+      // multiply-add rounds once, like d * q + m), looked up by each nibble: vpermps reads an index's low 4 bits.
+      const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(u32(blk))));
+      const __m512 table = _mm512_fmadd_ps(_mm512_broadcastss_ps(dm), iota,
+                                           _mm512_broadcastss_ps(_mm_movehdup_ps(dm)));
+      const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4)));
+      lo = _mm512_permutexvar_ps(q, table);
+      hi = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table);
+    } else {
+      static_assert(T == kQ8_0);
+      const __m512 d = _mm512_set1_ps(f16(blk));
+      const __m128i* q = reinterpret_cast<const __m128i*>(blk + 2);
+      lo = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q))));
+      hi = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1))));
+    }
+    _mm512_storeu_si512(out + 32 * b, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
+  }
+}
+
+struct AmxArgs {
+  const uint16_t* xv;  // x in B-tile layout: [K/32][M tiles][16 pairs][16 rows][2]
+  int64_t m, m_tiles, k;
+  const uint8_t* w;
+  int64_t n, row_bytes;
+  const float* bias;
+  void* y;  // [m, n] float or bf16
+};
+
+template <typename Out>
+void store_tile(const AmxArgs& a, const float* c, int64_t n0, int64_t m0) {
+  // c: 16 weight rows x 16 x rows; y[m0 + j][n0 + i] = c[i][j] (+ bias): column j of c is 16 outputs of row j.
+  const int64_t rows = std::min<int64_t>(16, a.m - m0), cols = std::min<int64_t>(16, a.n - n0);
+  if (cols <= 0) return;  // the zero rows past N in the last pass
+  const __mmask16 valid = static_cast<__mmask16>((1u << cols) - 1);
+  const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                            _mm512_set1_epi32(16));
+  const __m512 bias = a.bias ? _mm512_maskz_loadu_ps(valid, a.bias + n0) : _mm512_setzero_ps();
+  for (int64_t j = 0; j < rows; ++j) {
+    const __m512 v = _mm512_add_ps(_mm512_i32gather_ps(column, c + j, 4), bias);
+    Out* y = static_cast<Out*>(a.y) + (m0 + j) * a.n + n0;
+    if constexpr (std::is_same_v<Out, float>)
+      _mm512_mask_storeu_ps(y, valid, v);
+    else
+      _mm256_mask_storeu_epi16(y, valid, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+  }
+}
+
+// x tiles mt (and mt + 1 when Two) against the 32 buffered weight rows starting at n0.
+template <bool Two, typename Out>
+void multiply_pass(const AmxArgs& a, const uint16_t* wbuf, int64_t n0, int64_t mt) {
+  const int64_t stride = a.k * 2;  // bytes between buffered weight rows
+  _tile_zero(0);
+  _tile_zero(1);
+  if constexpr (Two) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  for (int64_t kb = 0; kb < a.k / 32; ++kb) {
+    _tile_loadd(4, wbuf + 32 * kb, stride);
+    _tile_loadd(5, wbuf + 16 * a.k + 32 * kb, stride);
+    const uint16_t* b = a.xv + (kb * a.m_tiles + mt) * 512;
+    _tile_loadd(6, b, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 5, 6);
+    if constexpr (Two) {
+      _tile_loadd(7, b + 512, 64);
+      _tile_dpbf16ps(2, 4, 7);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  alignas(64) float c[256];
+  _tile_stored(0, c, 64);
+  store_tile<Out>(a, c, n0, 16 * mt);
+  _tile_stored(1, c, 64);
+  store_tile<Out>(a, c, n0 + 16, 16 * mt);
+  if constexpr (Two) {
+    _tile_stored(2, c, 64);
+    store_tile<Out>(a, c, n0, 16 * mt + 16);
+    _tile_stored(3, c, 64);
+    store_tile<Out>(a, c, n0 + 16, 16 * mt + 16);
+  }
+}
+
+template <int64_t T, typename Out>
+void amx_gemm_typed(const AmxArgs& a) {
+  const int64_t passes = (a.n + kRowsPerPass - 1) / kRowsPerPass;
+  at::parallel_for(0, passes, 1, [&](int64_t p0, int64_t p1) {
+    const TileConfig cfg;  // tile configuration is per thread
+    _tile_loadconfig(&cfg);
+    std::vector<uint16_t> wbuf(kRowsPerPass * a.k, 0);
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t n0 = p * kRowsPerPass, rows = std::min(kRowsPerPass, a.n - n0);
+      for (int64_t r = 0; r < rows; ++r)
+        dequant_row_bf16<T>(a.w + (n0 + r) * a.row_bytes, a.k / 32, wbuf.data() + r * a.k);
+      if (rows < kRowsPerPass) std::fill(wbuf.begin() + rows * a.k, wbuf.end(), 0);
+      int64_t mt = 0;
+      for (; mt + 1 < a.m_tiles; mt += 2) multiply_pass<true, Out>(a, wbuf.data(), n0, mt);
+      if (mt < a.m_tiles) multiply_pass<false, Out>(a, wbuf.data(), n0, mt);
+    }
+    _tile_release();
+  });
+}
+
+// x [m, k] bf16 (rows at x_stride) -> B tiles: 32-bit pair p of row r of tile (kb, mt) is x[16 mt + r][32 kb + 2p
+// .. + 1]; rows past m are zero.
+std::vector<uint16_t> x_tiles(const uint16_t* x, int64_t x_stride, int64_t m, int64_t m_tiles, int64_t k) {
+  std::vector<uint16_t> xv(k * m_tiles * 16, 0);
+  uint32_t* out = reinterpret_cast<uint32_t*>(xv.data());
+  for (int64_t i = 0; i < m; ++i) {
+    const int64_t mt = i / 16, r = i % 16;
+    for (int64_t kb = 0; kb < k / 32; ++kb) {
+      uint32_t* tile = out + (kb * m_tiles + mt) * 256;
+      for (int p = 0; p < 16; ++p) std::memcpy(tile + p * 16 + r, x + i * x_stride + 32 * kb + 2 * p, 4);
+    }
+  }
+  return xv;
+}
+
+at::Tensor gemm_gguf_amx(const at::Tensor& x, const at::Tensor& w, int64_t type, const c10::optional<at::Tensor>& bias,
+                         c10::optional<at::ScalarType> dtype) {
+  constexpr const char* op = "gemm_gguf_amx";
+  pagedserve::check_tensor(x, op, "x", at::kBFloat16, 2, pagedserve::Layout::kRows);
+  TORCH_CHECK(type == kQ4_1 || type == kQ8_0, op, ": GGML type ", type, " has no AMX kernel; supported: Q4_1 (3), ",
+              "Q8_0 (8)");
+  const int64_t k = features(w, type, op), n = w.size(0), m = x.size(0);
+  TORCH_CHECK(x.size(1) == k, op, ": x has ", x.size(1), " features, the weight's rows hold ", k);
+  const at::ScalarType out_type = dtype.value_or(at::kBFloat16);
+  TORCH_CHECK(out_type == at::kBFloat16 || out_type == at::kFloat, op, ": dtype must be BFloat16 or Float, got ",
+              out_type);
+  at::Tensor bias32;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, op, ": bias must have shape [", n, "], got ", bias->sizes());
+    bias32 = bias->to(at::kFloat).contiguous();
+    pagedserve::check_tensor(bias32, op, "bias", at::kFloat, 1, pagedserve::Layout::kContiguous);
+  }
+  at::Tensor y = at::empty({m, n}, x.options().dtype(out_type));
+  if (m == 0 || n == 0) return y;
+  require_tile_state();
+  const int64_t m_tiles = (m + 15) / 16;
+  const std::vector<uint16_t> xv =
+      x_tiles(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), x.stride(0), m, m_tiles, k);
+  const AmxArgs a{xv.data(), m, m_tiles, k, w.data_ptr<uint8_t>(), n, w.size(1),
+                  bias32.defined() ? bias32.data_ptr<float>() : nullptr, y.data_ptr()};
+  if (type == kQ4_1)
+    out_type == at::kFloat ? amx_gemm_typed<kQ4_1, float>(a) : amx_gemm_typed<kQ4_1, c10::BFloat16>(a);
+  else
+    out_type == at::kFloat ? amx_gemm_typed<kQ8_0, float>(a) : amx_gemm_typed<kQ8_0, c10::BFloat16>(a);
+  return y;
+}
+
+}  // namespace
+
+PAGEDSERVE_LIBRARY_FRAGMENT(m) {
+  m.def("gemm_gguf_amx(Tensor x, Tensor w, int type, Tensor? bias, ScalarType? dtype=None) -> Tensor");
+  m.impl("gemm_gguf_amx", c10::DispatchKey::CPU, gemm_gguf_amx);
+}
+
+#endif  // AMX
