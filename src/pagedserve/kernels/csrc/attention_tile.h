@@ -3,9 +3,10 @@
 // table (see paged_attention.cpp). Rows are ordered (kv head, token, head in group):
 //   row r = (h * n_q + i) * group + g   ->  query head (kv_head0 + h) * group + g of token i
 // Queries and outputs are float32 or bf16 (QT); the cache is float32, bf16, int8 or fp8 e4m3 (CT,
-// kv_types.h). The arithmetic is float32 throughout: queries are converted once per tile, and a float32
-// cache is read in place while other cache types are converted a (sub-)block at a time into a small
-// buffer that stays in L1 while every row of the tile reads it (kv_rows).
+// kv_types.h). The arithmetic is float32 throughout: queries are converted once per tile; the portable path
+// reads a float32 cache in place and converts other cache types a block at a time, all of the tile's kv
+// heads, into a small buffer that stays in L1 while every row of the tile reads it (kv_rows); the AVX-512
+// path converts in registers where it can (attention_avx512.h). Both prefetch two blocks ahead.
 #pragma once
 
 #include <algorithm>
