@@ -10,8 +10,9 @@
 //   head_dim broadcast-FMAs with no horizontal sums;
 // - at most kDirectRows rows per kv head (decode: one token x the group): each key row is converted in
 //   registers and dotted with the few rows, and each row's 16 partial-sum vectors are reduced at once
-//   (sum_lanes16). The transpose would cost more than these reductions, and the conversion buffer's
-//   stores and reloads go too, so the kernel keeps up with the cache streaming in from memory.
+//   (sum_lanes16). For so few rows the transpose costs more shuffles than these reductions, and the
+//   conversion buffer's stores and reloads go too: 1.3-1.6x faster on a cold bf16 cache, 1.7-2x on int8
+//   (benchmarks/README.md, kv_attention.py --cold).
 
 inline __m512 exp512(__m512 x) {
   // Cephes expf: exp(x) = 2^n * e^r, n = round(x / ln 2), |r| <= ln2 / 2, degree-5 polynomial for e^r.
@@ -130,9 +131,15 @@ template <int RC, int NV, typename CT>
 inline void accumulate_pv_n(int nr, float* acc, const float* p, const float* corr, const uint8_t* v,
                             int64_t slot_bytes, int64_t nk, int64_t hd) {
   switch (nr) {  // register-resident accumulators need the row count at compile time
-    case 6: if constexpr (RC >= 6) { accumulate_pv<6, NV, CT>(acc, p, corr, v, slot_bytes, nk, hd); break; } [[fallthrough]];
-    case 5: if constexpr (RC >= 5) { accumulate_pv<5, NV, CT>(acc, p, corr, v, slot_bytes, nk, hd); break; } [[fallthrough]];
-    case 4: if constexpr (RC >= 4) { accumulate_pv<4, NV, CT>(acc, p, corr, v, slot_bytes, nk, hd); break; } [[fallthrough]];
+    case 6:
+      if constexpr (RC >= 6) { accumulate_pv<6, NV, CT>(acc, p, corr, v, slot_bytes, nk, hd); break; }
+      [[fallthrough]];
+    case 5:
+      if constexpr (RC >= 5) { accumulate_pv<5, NV, CT>(acc, p, corr, v, slot_bytes, nk, hd); break; }
+      [[fallthrough]];
+    case 4:
+      if constexpr (RC >= 4) { accumulate_pv<4, NV, CT>(acc, p, corr, v, slot_bytes, nk, hd); break; }
+      [[fallthrough]];
     case 3: accumulate_pv<3, NV, CT>(acc, p, corr, v, slot_bytes, nk, hd); break;
     case 2: accumulate_pv<2, NV, CT>(acc, p, corr, v, slot_bytes, nk, hd); break;
     default: accumulate_pv<1, NV, CT>(acc, p, corr, v, slot_bytes, nk, hd); break;
@@ -152,8 +159,10 @@ inline void for_each_sub_block(const Tile& t, F&& f) {
   }
 }
 
-// The first key position a row may not see, relative to kp0 (its causal limit in the sub-block).
-inline int64_t causal_limit(const Tile& t, int64_t row, int64_t kp0) { return t.pos0 + (row / t.group) % t.n_q + 1 - kp0; }
+// How many keys from position kp0 on a row sees (causal): capped by the caller at the sub-block's nk.
+inline int64_t causal_limit(const Tile& t, int64_t row, int64_t kp0) {
+  return t.pos0 + (row / t.group) % t.n_q + 1 - kp0;
+}
 
 template <int NV>
 constexpr int kRowChunk = NV <= 4 ? 6 : 3;  // rows per register chunk: RC * NV accumulators + NV values
