@@ -3,16 +3,15 @@
 #pragma once
 
 // Keys go 16 at a time (one sub-block, inside one block); p = exp(s - m) for 16 keys in one vector, and
-// P x V accumulates rows in registers, reading the value rows straight from the cache (converted in
-// registers). The scores take one of two shapes:
-// - many rows per kv head (prefill tiles): the sub-block's keys are converted into a float32 buffer
-//   (kv_rows) and each head's 16 x head_dim slab is transposed once, so that each query row's 16 scores are
-//   head_dim broadcast-FMAs with no horizontal sums;
-// - at most kDirectRows rows per kv head (decode: one token x the group): each key row is converted in
-//   registers and dotted with the few rows, and each row's 16 partial-sum vectors are reduced at once
-//   (sum_lanes16). For so few rows the transpose costs more shuffles than these reductions, and the
-//   conversion buffer's stores and reloads go too: 1.3-1.6x faster on a cold bf16 cache, 1.7-2x on int8
-//   (benchmarks/README.md, kv_attention.py --cold).
+// P x V accumulates rows in registers. Two shapes:
+// - many rows per kv head (prefill tiles): the sub-block's keys and values are converted into float32
+//   buffers (kv_rows) that every row chunk reads, and each head's 16 x head_dim key slab is transposed once,
+//   so that each query row's 16 scores are head_dim broadcast-FMAs with no horizontal sums;
+// - at most kDirectRows rows per kv head (decode: one token x the group): each key and value row is
+//   converted in registers (each is read once per sub-block), the key rows are dotted with the few rows,
+//   and each row's 16 partial-sum vectors are reduced at once (sum_lanes16). For so few rows the transpose
+//   costs more shuffles than these reductions, and the conversion buffers' stores and reloads go too:
+//   1.3-1.6x faster on a cold bf16 cache, 1.7-2x on int8 (benchmarks/README.md, kv_attention.py --cold).
 
 inline __m512 exp512(__m512 x) {
   // Cephes expf: exp(x) = 2^n * e^r, n = round(x / ln 2), |r| <= ln2 / 2, degree-5 polynomial for e^r.
@@ -164,13 +163,17 @@ inline int64_t causal_limit(const Tile& t, int64_t row, int64_t kp0) {
   return t.pos0 + (row / t.group) % t.n_q + 1 - kp0;
 }
 
+// The first 64-byte aligned float at or after p (its buffer has 16 floats to spare): aligned loads of kt, and
+// accumulator rows that do not straddle cache lines.
+inline float* align64(float* p) { return p + (16 - (reinterpret_cast<uintptr_t>(p) / sizeof(float)) % 16) % 16; }
+
 template <int NV>
 constexpr int kRowChunk = NV <= 4 ? 6 : 3;  // rows per register chunk: RC * NV accumulators + NV values
 
 // The floats attend_rows_transposed needs in `buf`.
 template <int NV, typename CT>
 int64_t transposed_buffer(const Tile& t) {
-  return 16 * 16 * NV + 16 + kRowChunk<NV> * 17 + (std::is_same_v<CT, float> ? 0 : 16 * t.kv_heads * 16 * NV);
+  return 16 * 16 * NV + 16 + kRowChunk<NV> * 17 + (std::is_same_v<CT, float> ? 0 : 2 * 16 * t.kv_heads * 16 * NV);
 }
 
 // Many rows per head: transposed key slabs from the converted sub-block (see the top of this file).
@@ -178,15 +181,17 @@ template <int NV, typename CT>
 void attend_rows_transposed(const Tile& t, const float* q, float* acc, float* m, float* l, float* buf) {
   constexpr int D = 16 * NV, RC = kRowChunk<NV>;
   const int64_t rph = rows_per_head(t);
-  // kt: [D][16] transposed keys of the current sub-block and head, 64-byte aligned for aligned loads.
-  float* kt = buf + (16 - (reinterpret_cast<uintptr_t>(buf) / sizeof(float)) % 16) % 16;
+  float* kt = align64(buf);  // [D][16] transposed keys of the current sub-block and head
   float* p = kt + D * 16;     // [RC][16] probabilities of the current row chunk
   float* corr = p + RC * 16;  // [RC]
-  float* k_buf = corr + RC;   // [16][kv_heads][D] converted keys of the sub-block
+  // [16][kv_heads][D] converted keys and values of the sub-block: each value row serves every row chunk
+  float* k_buf = corr + RC;
+  float* v_buf = k_buf + (std::is_same_v<CT, float> ? 0 : 16 * t.kv_heads * D);
   __m512 slab[16], cols[16];
   for_each_sub_block(t, [&](int64_t kp0, int64_t nk, int64_t slot0) {
-    int64_t ks;
+    int64_t ks, vs;
     const float* kb = kv_rows<CT>(t, t.k_cache, slot0, nk, k_buf, ks);
+    const float* vb = kv_rows<CT>(t, t.v_cache, slot0, nk, v_buf, vs);
     for (int64_t h = 0; h < t.kv_heads; ++h) {
       const float* kh = kb + h * D;
       for (int v = 0; v < NV; ++v) {
@@ -195,7 +200,7 @@ void attend_rows_transposed(const Tile& t, const float* q, float* acc, float* m,
         transpose16(slab, cols);
         for (int c = 0; c < 16; ++c) _mm512_store_ps(kt + (16 * v + c) * 16, cols[c]);
       }
-      const uint8_t* vh = t.v_cache + slot0 * t.slot_bytes + h * t.row_bytes;
+      const uint8_t* vh = reinterpret_cast<const uint8_t*>(vb + h * D);
       for (int64_t r0 = h * rph; r0 < (h + 1) * rph; r0 += RC) {
         const int nr = static_cast<int>(std::min<int64_t>(RC, (h + 1) * rph - r0));
         for (int r = 0; r < nr; ++r) {
@@ -208,7 +213,7 @@ void attend_rows_transposed(const Tile& t, const float* q, float* acc, float* m,
           corr[r] = softmax_update(_mm512_add_ps(s0, s1), std::min(nk, causal_limit(t, r0 + r, kp0)), m[r0 + r],
                                    l[r0 + r], p + r * 16);
         }
-        accumulate_pv_n<RC, NV, CT>(nr, acc + r0 * D, p, corr, vh, t.slot_bytes, nk, D);
+        accumulate_pv_n<RC, NV, float>(nr, acc + r0 * D, p, corr, vh, vs * sizeof(float), nk, D);
       }
     }
   });
@@ -259,8 +264,8 @@ template <int NV, typename CT>
 void attend_rows_avx512(const Tile& t, const float* q, float* o, std::vector<float>& scratch) {
   constexpr int D = 16 * NV;
   const int64_t rph = rows_per_head(t), rows = rph * t.kv_heads;
-  scratch.assign(rows * (D + 2) + (rph > kDirectRows ? transposed_buffer<NV, CT>(t) : 0), 0.f);
-  float* acc = scratch.data();
+  scratch.assign(16 + rows * (D + 2) + (rph > kDirectRows ? transposed_buffer<NV, CT>(t) : 0), 0.f);
+  float* acc = align64(scratch.data());
   float* m = acc + rows * D;
   float* l = m + rows;
   std::fill(m, m + rows, kMinScore);
