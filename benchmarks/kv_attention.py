@@ -1,6 +1,7 @@
 """Decode attention over float32, bf16 and 8-bit KV caches: the compiled kernel against the torch reference path.
 
     python benchmarks/kv_attention.py --out benchmarks/results/kv_attention.json          # micro-benchmark
+    python benchmarks/kv_attention.py --cold --contexts 384 1024 --out ...                   # caches not in cache
     python benchmarks/kv_attention.py --e2e --out ...                                       # + engine decode tok/s
 
 Micro-benchmark: one layer's decode step of the embedded model's attention shape (9 query heads, 3 kv heads,
@@ -8,6 +9,10 @@ head_dim 64, blocks of 16) for 16 sequences at each context length: the kernel w
 for an 8-bit cache) and attends; "reference" is the torch path 8-bit caches took before the kernel read them
 (quantize with torch ops, gather + dequantize the context, SDPA). Every configuration runs once per round,
 rounds interleaved, and the median is reported, so load on a shared machine hits all of them alike.
+--cold: the same call, but each call reads the next of --cold-layers separate caches (like the model's 30
+layers; together larger than the last-level cache), so the KV bytes come from memory as in the engine, where
+a step's weights evict them between layers. float32 queries on a float32 cache; bf16 queries (the bf16 model)
+on bf16 and int8 caches. Reports ms per call and the GB/s of KV cache read (K and V of every context token).
 --e2e: the embedded model's engine, 16 prompts of 1,024 random tokens decoding 32 tokens each (ignore_eos):
 tokens / time of the steps after every prompt is prefilled, for --kv-cache-dtype auto (float32 here) and int8 with the kernel, and
 int8 with --attention-backend reference (the previous int8 path).
@@ -34,6 +39,7 @@ from pagedserve.attention.reference import ReferenceAttentionBackend, write_kv  
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
 KV_DTYPES = ("float32", "bfloat16", "int8", "fp8_e4m3")
+COLD_CASES = (("float32", torch.float32), ("bfloat16", torch.bfloat16), ("int8", torch.bfloat16))  # kv, query
 
 
 def decode_metadata(num_seqs: int, context: int) -> AttentionMetadata:
@@ -47,6 +53,14 @@ def decode_metadata(num_seqs: int, context: int) -> AttentionMetadata:
                              query_lens_list=[1] * num_seqs, block_size=BLOCK_SIZE)
 
 
+def filled_cache(kv: str, num_blocks: int, gen: torch.Generator) -> torch.Tensor:
+    dtype = kv_quant.storage_dtype(kv)
+    cache = torch.zeros(2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, kv_quant.row_width(dtype, HEAD_DIM), dtype=dtype)
+    x = torch.randn(2, num_blocks * BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, generator=gen)
+    write_kv(cache, x[0], x[1], torch.arange(num_blocks * BLOCK_SIZE))
+    return cache
+
+
 def micro(num_seqs: int, contexts: list[int], rounds: int) -> list[dict]:
     ops = kernels.load()
     gen = torch.Generator().manual_seed(0)
@@ -58,11 +72,7 @@ def micro(num_seqs: int, contexts: list[int], rounds: int) -> list[dict]:
         num_blocks = meta.block_tables.numel()
         cases = {}
         for kv in KV_DTYPES:
-            dtype = kv_quant.storage_dtype(kv)
-            cache = torch.zeros(2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, kv_quant.row_width(dtype, HEAD_DIM),
-                                dtype=dtype)
-            x = torch.randn(2, num_blocks * BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, generator=gen)
-            write_kv(cache, x[0], x[1], torch.arange(num_blocks * BLOCK_SIZE))
+            cache = filled_cache(kv, num_blocks, gen)
             cases[(kv, "kernel")] = (CpuPagedAttentionBackend(ops), cache)
             if kv in ("float32", "int8", "fp8_e4m3"):
                 cases[(kv, "reference")] = (ReferenceAttentionBackend(), cache)
@@ -81,6 +91,40 @@ def micro(num_seqs: int, contexts: list[int], rounds: int) -> list[dict]:
                          "ms_per_call": round(ms, 3), "vs_float32_kernel": round(ms / fp32_kernel, 3)})
             print(f"{num_seqs} x {context:5d}  {kv:9s} {path:9s} {ms:8.3f} ms  x{ms / fp32_kernel:.2f} of fp32 kernel",
                   flush=True)
+    return rows
+
+
+def cold(num_seqs: int, contexts: list[int], rounds: int, num_layers: int) -> list[dict]:
+    backend = CpuPagedAttentionBackend(kernels.load())
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for context in contexts:
+        meta = decode_metadata(num_seqs, context)
+        cases = {}
+        for kv, q_dtype in COLD_CASES:
+            q, k, v = (torch.randn(num_seqs, n, HEAD_DIM, generator=gen).to(q_dtype)
+                       for n in (NUM_HEADS, NUM_KV_HEADS, NUM_KV_HEADS))
+            cache = filled_cache(kv, meta.block_tables.numel(), gen)
+            cases[kv] = (q, k, v, [cache] + [cache.clone() for _ in range(num_layers - 1)])
+        times = {kv: [] for kv in cases}
+        for _ in range(rounds):
+            for kv, (q, k, v, caches) in cases.items():
+                t0 = time.perf_counter()
+                for cache in caches:
+                    backend.forward(q, k, v, cache, meta, HEAD_DIM ** -0.5)
+                times[kv].append((time.perf_counter() - t0) / num_layers * 1e3)
+        for kv, q_dtype in COLD_CASES:
+            caches = cases[kv][3]
+            row_bytes = caches[0].size(-1) * caches[0].element_size()
+            kv_bytes = 2 * num_seqs * (context + 1) * NUM_KV_HEADS * row_bytes  # K and V read per call
+            ms = statistics.median(times[kv])
+            rows.append({"num_seqs": num_seqs, "context": context, "kv_cache_dtype": kv,
+                         "query_dtype": str(q_dtype).removeprefix("torch."), "layers": num_layers,
+                         "caches_mb": round(num_layers * caches[0].nbytes / 1e6), "ms_per_call": round(ms, 3),
+                         "kv_gb_s": round(kv_bytes / ms / 1e6, 2), "ms_all_rounds": [round(t, 3) for t in times[kv]]})
+            print(f"cold {num_seqs} x {context:5d}  {kv:9s} {ms:8.3f} ms  {kv_bytes / ms / 1e6:6.2f} GB/s of KV",
+                  flush=True)
+        del cases
     return rows
 
 
@@ -124,6 +168,8 @@ def main() -> None:
     p.add_argument("--contexts", type=int, nargs="+", default=[1024, 2048])
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--num-threads", type=int, default=None)
+    p.add_argument("--cold", action="store_true", help="micro-benchmark over separate per-layer caches instead")
+    p.add_argument("--cold-layers", type=int, default=30)
     p.add_argument("--e2e", action="store_true", help="also engine decode tok/s, int8 vs auto")
     p.add_argument("--no-micro", action="store_true", help="skip the micro-benchmark")
     p.add_argument("--e2e-prompts", type=int, default=16)
@@ -137,7 +183,11 @@ def main() -> None:
     result = {"machine": info, "kernel_isa": kernels.selected_isa(), "command": " ".join(sys.argv),
               "shape": {"num_heads": NUM_HEADS, "num_kv_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM,
                         "block_size": BLOCK_SIZE},
-              "micro": [] if args.no_micro else micro(args.num_seqs, args.contexts, args.rounds)}
+              "micro": []}
+    if args.cold and not args.no_micro:
+        result["cold"] = cold(args.num_seqs, args.contexts, args.rounds, args.cold_layers)
+    elif not args.no_micro:
+        result["micro"] = micro(args.num_seqs, args.contexts, args.rounds)
     if args.e2e:
         result["e2e"] = e2e(args.e2e_prompts, args.e2e_input_len, args.e2e_output_len)
     result["load_avg_1_5_15_end"] = list(os.getloadavg())

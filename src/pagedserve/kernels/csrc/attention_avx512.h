@@ -1,11 +1,17 @@
 // AVX-512 tile for head_dim = 16 * NV. Included by attention_tile.h, inside namespace pagedserve, only
-// when the compiler targets AVX-512 (the avx512 variant; pagedserve/kernels/isa.py). A cache of another
-// type than float32 is converted 16 keys at a time (kv_rows) into a buffer the sub-block then reads.
+// when the compiler targets AVX-512 (the avx512 variant; pagedserve/kernels/isa.py).
 #pragma once
 
-// AVX-512 path for head_dim = 16 * NV. Keys go 16 at a time (one sub-block): the 16 x head_dim key slab
-// is transposed once so that each query row's 16 scores are head_dim broadcast-FMAs with no horizontal
-// sums; then p = exp(s - m) for 16 keys in one vector, and P x V accumulates rows in registers.
+// Keys go 16 at a time (one sub-block, inside one block); p = exp(s - m) for 16 keys in one vector, and
+// P x V accumulates rows in registers. Two shapes:
+// - many rows per kv head (prefill tiles): the sub-block's keys and values are converted into float32
+//   buffers (kv_rows) that every row chunk reads, and each head's 16 x head_dim key slab is transposed once,
+//   so that each query row's 16 scores are head_dim broadcast-FMAs with no horizontal sums;
+// - at most kDirectRows rows per kv head (decode: one token x the group): each key and value row is
+//   converted in registers (each is read once per sub-block), the key rows are dotted with the few rows,
+//   and each row's 16 partial-sum vectors are reduced at once (sum_lanes16). For so few rows the transpose
+//   costs more shuffles than these reductions, and the conversion buffers' stores and reloads go too:
+//   1.3-1.6x faster on a cold bf16 cache, 1.7-2x on int8 (benchmarks/README.md, kv_attention.py --cold).
 
 inline __m512 exp512(__m512 x) {
   // Cephes expf: exp(x) = 2^n * e^r, n = round(x / ln 2), |r| <= ln2 / 2, degree-5 polynomial for e^r.
@@ -48,110 +54,141 @@ inline void transpose16(const __m512* in, __m512* out) {
   }
 }
 
-// acc rows r0.. r0+NR-1 (in memory) = acc * corr + P x V over nk keys, in registers.
-template <int NR, int NV>
-inline void accumulate_pv(float* acc, const float* p, const float* corr, const float* vb, int64_t slot_stride,
-                          int64_t nk) {
+// 16 elements of a cache row -> float32, before the row's simd_scale (kv_types.h).
+template <typename CT>
+inline __m512 load16(const uint8_t* p) {
+  if constexpr (std::is_same_v<CT, float>) {
+    return _mm512_loadu_ps(reinterpret_cast<const float*>(p));
+  } else if constexpr (std::is_same_v<CT, bf16_t>) {
+    const __m512i u = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(u, 16));
+  } else if constexpr (std::is_same_v<CT, int8_t>) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  } else {
+    const __m256 one = _mm256_set1_ps(1.f);
+    return _mm512_insertf32x8(_mm512_castps256_ps512(load8<CT>(p, one)), load8<CT>(p + 8, one), 1);
+  }
+}
+
+// Lane j of the result = the sum of v[j]'s 16 lanes: pairwise interleave-and-add, 30 shuffles in all.
+inline __m512 sum_lanes16(const __m512* v) {
+  __m512 a[8], b[4];
+  for (int i = 0; i < 8; ++i)  // a[i], each 128-bit lane: rows 2i, 2i+1, 2i, 2i+1
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)  // b[i], each 128-bit lane: rows 4i .. 4i+3
+    b[i] = _mm512_add_ps(_mm512_shuffle_ps(a[2 * i], a[2 * i + 1], 0x44),
+                         _mm512_shuffle_ps(a[2 * i], a[2 * i + 1], 0xEE));
+  const __m512 c0 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x44), _mm512_shuffle_f32x4(b[0], b[1], 0xEE));
+  const __m512 c1 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x44), _mm512_shuffle_f32x4(b[2], b[3], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(c0, c1, 0x88), _mm512_shuffle_f32x4(c0, c1, 0xDD));
+}
+
+// Online-softmax update of one row with its sub-block scores s, of which the first `limit` are keys the row
+// sees (causal): m and l move, p receives e^(s - m) (0 past limit); returns the factor for the row's acc.
+inline float softmax_update(__m512 s, int64_t limit, float& m, float& l, float* p) {
+  const __mmask16 mask = limit <= 0 ? 0 : static_cast<__mmask16>((1u << limit) - 1u);
+  if (mask == 0) {  // every key of this sub-block is in this row's future
+    _mm512_storeu_ps(p, _mm512_setzero_ps());
+    return 1.f;
+  }
+  s = _mm512_mask_mov_ps(_mm512_set1_ps(kMinScore), mask, s);
+  const float m_new = std::max(m, _mm512_reduce_max_ps(s));
+  const __m512 e = _mm512_maskz_mov_ps(mask, exp512(_mm512_sub_ps(s, _mm512_set1_ps(m_new))));
+  const float corr = m_new == m ? 1.f : std::exp(m - m_new);  // the max rarely moves after a few blocks
+  l = l * corr + _mm512_reduce_add_ps(e);
+  m = m_new;
+  _mm512_storeu_ps(p, e);
+  return corr;
+}
+
+// acc rows r0.. r0+NR-1 (in memory) = acc * corr + P x V over nk keys, in registers. v: the first key's
+// value row, rows slot_bytes apart, of type CT with hd elements (8-bit rows: their scale folds into p).
+template <int NR, int NV, typename CT>
+inline void accumulate_pv(float* acc, const float* p, const float* corr, const uint8_t* v, int64_t slot_bytes,
+                          int64_t nk, int64_t hd) {
   __m512 a[NR][NV];
   for (int r = 0; r < NR; ++r) {
     const __m512 c = _mm512_set1_ps(corr[r]);
-    for (int v = 0; v < NV; ++v) a[r][v] = _mm512_mul_ps(_mm512_loadu_ps(acc + r * 16 * NV + 16 * v), c);
+    for (int i = 0; i < NV; ++i) a[r][i] = _mm512_mul_ps(_mm512_loadu_ps(acc + r * 16 * NV + 16 * i), c);
   }
   for (int64_t j = 0; j < nk; ++j) {
+    const uint8_t* row = v + j * slot_bytes;
     __m512 vv[NV];
-    for (int v = 0; v < NV; ++v) vv[v] = _mm512_loadu_ps(vb + j * slot_stride + 16 * v);
+    for (int i = 0; i < NV; ++i) vv[i] = load16<CT>(row + 16 * i * sizeof(CT));
+    const float scale = simd_scale<CT>(row, hd);
     for (int r = 0; r < NR; ++r) {
-      const __m512 pj = _mm512_set1_ps(p[r * 16 + j]);
-      for (int v = 0; v < NV; ++v) a[r][v] = _mm512_fmadd_ps(pj, vv[v], a[r][v]);
+      const __m512 pj = _mm512_set1_ps(is_8bit_v<CT> ? p[r * 16 + j] * scale : p[r * 16 + j]);
+      for (int i = 0; i < NV; ++i) a[r][i] = _mm512_fmadd_ps(pj, vv[i], a[r][i]);
     }
   }
   for (int r = 0; r < NR; ++r)
-    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(acc + r * 16 * NV + 16 * v, a[r][v]);
+    for (int i = 0; i < NV; ++i) _mm512_storeu_ps(acc + r * 16 * NV + 16 * i, a[r][i]);
 }
 
-// One kv head's rows against one sub-block (nk <= 16 keys): scores from the transposed keys kt, online
-// softmax update of (m, l), then acc += P x V, RC rows at a time with the accumulators in registers.
-template <int NV, int RC>
-inline void attend_sub_block(const Tile& t, int64_t row0, int64_t row_end, int64_t kp0, int64_t nk,
-                             const float* kt, const float* vh, int64_t v_stride, const float* q, float* acc,
-                             float* m, float* l, float* p, float* corr) {
-  constexpr int D = 16 * NV;
-  for (int64_t r0 = row0; r0 < row_end; r0 += RC) {
-    const int nr = static_cast<int>(std::min<int64_t>(RC, row_end - r0));
-    for (int r = 0; r < nr; ++r) {
-      const int64_t row = r0 + r;
-      const int64_t limit = std::min(nk, t.pos0 + (row / t.group) % t.n_q + 1 - kp0);  // causal
-      const float* qr = q + row * D;
-      __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
-      for (int d = 0; d < D; d += 2) {
-        s0 = _mm512_fmadd_ps(_mm512_set1_ps(qr[d]), _mm512_load_ps(kt + d * 16), s0);
-        s1 = _mm512_fmadd_ps(_mm512_set1_ps(qr[d + 1]), _mm512_load_ps(kt + (d + 1) * 16), s1);
-      }
-      const __mmask16 mask = limit <= 0 ? 0 : static_cast<__mmask16>((1u << limit) - 1u);
-      if (mask == 0) {  // every key of this sub-block is in this row's future
-        corr[r] = 1.f;
-        _mm512_storeu_ps(p + r * 16, _mm512_setzero_ps());
-        continue;
-      }
-      const __m512 s = _mm512_mask_mov_ps(_mm512_set1_ps(kMinScore), mask, _mm512_add_ps(s0, s1));
-      const float m_new = std::max(m[row], _mm512_reduce_max_ps(s));
-      const __m512 e = _mm512_maskz_mov_ps(mask, exp512(_mm512_sub_ps(s, _mm512_set1_ps(m_new))));
-      corr[r] = m_new == m[row] ? 1.f : std::exp(m[row] - m_new);  // the max rarely moves after a few blocks
-      l[row] = l[row] * corr[r] + _mm512_reduce_add_ps(e);
-      m[row] = m_new;
-      _mm512_storeu_ps(p + r * 16, e);
-    }
-    float* a = acc + r0 * D;
-    switch (nr) {  // register-resident accumulators need the row count at compile time
-      case 6: if constexpr (RC >= 6) { accumulate_pv<6, NV>(a, p, corr, vh, v_stride, nk); break; } [[fallthrough]];
-      case 5: if constexpr (RC >= 5) { accumulate_pv<5, NV>(a, p, corr, vh, v_stride, nk); break; } [[fallthrough]];
-      case 4: if constexpr (RC >= 4) { accumulate_pv<4, NV>(a, p, corr, vh, v_stride, nk); break; } [[fallthrough]];
-      case 3: accumulate_pv<3, NV>(a, p, corr, vh, v_stride, nk); break;
-      case 2: accumulate_pv<2, NV>(a, p, corr, vh, v_stride, nk); break;
-      default: accumulate_pv<1, NV>(a, p, corr, vh, v_stride, nk); break;
-    }
+// accumulate_pv with the row count known at run time (nr <= RC).
+template <int RC, int NV, typename CT>
+inline void accumulate_pv_n(int nr, float* acc, const float* p, const float* corr, const uint8_t* v,
+                            int64_t slot_bytes, int64_t nk, int64_t hd) {
+  switch (nr) {  // register-resident accumulators need the row count at compile time
+    case 6:
+      if constexpr (RC >= 6) { accumulate_pv<6, NV, CT>(acc, p, corr, v, slot_bytes, nk, hd); break; }
+      [[fallthrough]];
+    case 5:
+      if constexpr (RC >= 5) { accumulate_pv<5, NV, CT>(acc, p, corr, v, slot_bytes, nk, hd); break; }
+      [[fallthrough]];
+    case 4:
+      if constexpr (RC >= 4) { accumulate_pv<4, NV, CT>(acc, p, corr, v, slot_bytes, nk, hd); break; }
+      [[fallthrough]];
+    case 3: accumulate_pv<3, NV, CT>(acc, p, corr, v, slot_bytes, nk, hd); break;
+    case 2: accumulate_pv<2, NV, CT>(acc, p, corr, v, slot_bytes, nk, hd); break;
+    default: accumulate_pv<1, NV, CT>(acc, p, corr, v, slot_bytes, nk, hd); break;
   }
 }
 
-// The next sub-block's K/V rows (all heads of the tile: `width` bytes a slot) into L2. Blocks are scattered,
-// so the hardware prefetcher cannot follow them; measured, L2 beats L1 here (too many L1 prefetches in
-// flight get dropped).
-inline void prefetch_sub_block(const Tile& t, int64_t kp, int64_t last_pos, int64_t width) {
-  if (kp > last_pos) return;
-  const int64_t bs = t.block_size;
-  const int64_t slot = t.table[kp / bs] * bs + kp % bs;
-  const int64_t n = std::min<int64_t>({16, bs - kp % bs, last_pos + 1 - kp});
-  for (int64_t j = 0; j < n; ++j)
-    for (int64_t c = 0; c < width; c += 64) {
-      _mm_prefetch(reinterpret_cast<const char*>(t.k_cache + (slot + j) * t.slot_bytes + c), _MM_HINT_T1);
-      _mm_prefetch(reinterpret_cast<const char*>(t.v_cache + (slot + j) * t.slot_bytes + c), _MM_HINT_T1);
-    }
+// Calls f(kp0, nk, slot0) for each sub-block of the tile's keys (kp0 .. kp0+nk-1, at most 16 and inside one
+// block, whose first slot is slot0), prefetching ahead at each block's start.
+template <typename F>
+inline void for_each_sub_block(const Tile& t, F&& f) {
+  const int64_t last_pos = t.pos0 + t.n_q - 1, bs = t.block_size;
+  for (int64_t kp0 = 0; kp0 <= last_pos;) {
+    const int64_t nk = std::min<int64_t>({16, bs - kp0 % bs, last_pos + 1 - kp0});
+    if (kp0 % bs == 0) prefetch_ahead(t, kp0 / bs, last_pos);
+    f(kp0, nk, t.table[kp0 / bs] * bs + kp0 % bs);
+    kp0 += nk;
+  }
 }
 
+// How many keys from position kp0 on a row sees (causal): capped by the caller at the sub-block's nk.
+inline int64_t causal_limit(const Tile& t, int64_t row, int64_t kp0) {
+  return t.pos0 + (row / t.group) % t.n_q + 1 - kp0;
+}
+
+// The first 64-byte aligned float at or after p (its buffer has 16 floats to spare): aligned loads of kt, and
+// accumulator rows that do not straddle cache lines.
+inline float* align64(float* p) { return p + (16 - (reinterpret_cast<uintptr_t>(p) / sizeof(float)) % 16) % 16; }
+
+template <int NV>
+constexpr int kRowChunk = NV <= 4 ? 6 : 3;  // rows per register chunk: RC * NV accumulators + NV values
+
+// The floats attend_rows_transposed needs in `buf`.
 template <int NV, typename CT>
-void attend_rows_avx512(const Tile& t, const float* q, float* o, std::vector<float>& scratch) {
-  constexpr int D = 16 * NV;
-  constexpr int RC = NV <= 4 ? 6 : 3;  // rows per register chunk: RC * NV accumulators + NV values
-  const int64_t rph = rows_per_head(t), rows = rph * t.kv_heads;
-  const int64_t kv_buf = std::is_same_v<CT, float> ? 0 : 16 * t.kv_heads * D;
-  scratch.assign(D * 16 + 16 + rows * D + rows * 2 + RC * 16 + RC + 2 * kv_buf, 0.f);
-  // kt: [D][16] transposed keys of the current sub-block and head, 64-byte aligned for aligned loads.
-  float* kt = scratch.data() + (16 - (reinterpret_cast<uintptr_t>(scratch.data()) / sizeof(float)) % 16) % 16;
-  float* acc = kt + D * 16;
-  float* m = acc + rows * D;
-  float* l = m + rows;
-  float* p = l + rows;        // [RC][16] probabilities of the current row chunk
+int64_t transposed_buffer(const Tile& t) {
+  return 16 * 16 * NV + 16 + kRowChunk<NV> * 17 + (std::is_same_v<CT, float> ? 0 : 2 * 16 * t.kv_heads * 16 * NV);
+}
+
+// Many rows per head: transposed key slabs from the converted sub-block (see the top of this file).
+template <int NV, typename CT>
+void attend_rows_transposed(const Tile& t, const float* q, float* acc, float* m, float* l, float* buf) {
+  constexpr int D = 16 * NV, RC = kRowChunk<NV>;
+  const int64_t rph = rows_per_head(t);
+  float* kt = align64(buf);  // [D][16] transposed keys of the current sub-block and head
+  float* p = kt + D * 16;     // [RC][16] probabilities of the current row chunk
   float* corr = p + RC * 16;  // [RC]
-  float* k_buf = corr + RC;   // [16][kv_heads][D] converted keys (and values) of the sub-block
-  float* v_buf = k_buf + kv_buf;
-  std::fill(m, m + rows, kMinScore);
-  const int64_t last_pos = t.pos0 + t.n_q - 1, bs = t.block_size;
+  // [16][kv_heads][D] converted keys and values of the sub-block: each value row serves every row chunk
+  float* k_buf = corr + RC;
+  float* v_buf = k_buf + (std::is_same_v<CT, float> ? 0 : 16 * t.kv_heads * D);
   __m512 slab[16], cols[16];
-  for (int64_t kp0 = 0; kp0 <= last_pos;) {
-    // Sub-block: keys kp0 .. kp0+nk-1, at most 16 and all inside one block.
-    const int64_t nk = std::min<int64_t>({16, bs - kp0 % bs, last_pos + 1 - kp0});
-    const int64_t slot0 = t.table[kp0 / bs] * bs + kp0 % bs;
-    prefetch_sub_block(t, kp0 + nk, last_pos, t.kv_heads * t.row_bytes);
+  for_each_sub_block(t, [&](int64_t kp0, int64_t nk, int64_t slot0) {
     int64_t ks, vs;
     const float* kb = kv_rows<CT>(t, t.k_cache, slot0, nk, k_buf, ks);
     const float* vb = kv_rows<CT>(t, t.v_cache, slot0, nk, v_buf, vs);
@@ -163,9 +200,81 @@ void attend_rows_avx512(const Tile& t, const float* q, float* o, std::vector<flo
         transpose16(slab, cols);
         for (int c = 0; c < 16; ++c) _mm512_store_ps(kt + (16 * v + c) * 16, cols[c]);
       }
-      attend_sub_block<NV, RC>(t, h * rph, (h + 1) * rph, kp0, nk, kt, vb + h * D, vs, q, acc, m, l, p, corr);
+      const uint8_t* vh = reinterpret_cast<const uint8_t*>(vb + h * D);
+      for (int64_t r0 = h * rph; r0 < (h + 1) * rph; r0 += RC) {
+        const int nr = static_cast<int>(std::min<int64_t>(RC, (h + 1) * rph - r0));
+        for (int r = 0; r < nr; ++r) {
+          const float* qr = q + (r0 + r) * D;
+          __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
+          for (int d = 0; d < D; d += 2) {
+            s0 = _mm512_fmadd_ps(_mm512_set1_ps(qr[d]), _mm512_load_ps(kt + d * 16), s0);
+            s1 = _mm512_fmadd_ps(_mm512_set1_ps(qr[d + 1]), _mm512_load_ps(kt + (d + 1) * 16), s1);
+          }
+          corr[r] = softmax_update(_mm512_add_ps(s0, s1), std::min(nk, causal_limit(t, r0 + r, kp0)), m[r0 + r],
+                                   l[r0 + r], p + r * 16);
+        }
+        accumulate_pv_n<RC, NV, float>(nr, acc + r0 * D, p, corr, vh, vs * sizeof(float), nk, D);
+      }
     }
-    kp0 += nk;
+  });
+}
+
+// At most kDirectRows rows per head (NR of them): dot products straight from the cache rows.
+constexpr int64_t kDirectRows = 4;
+
+template <int NR, int NV, typename CT>
+void attend_rows_direct(const Tile& t, const float* q, float* acc, float* m, float* l) {
+  constexpr int D = 16 * NV;
+  alignas(64) float p[NR * 16];
+  float corr[NR];
+  alignas(64) float scales[16] = {};  // 8-bit rows' scales; lanes past nk keep finite values
+  __m512 part[NR][16];  // part[r][j]: q_r * k_j lane by lane, summed over the row's NV vectors
+  for_each_sub_block(t, [&](int64_t kp0, int64_t nk, int64_t slot0) {
+    for (int64_t h = 0; h < t.kv_heads; ++h) {
+      const uint8_t* kh = t.k_cache + slot0 * t.slot_bytes + h * t.row_bytes;
+      const float* qh = q + h * NR * D;
+      for (int j = 0; j < 16; ++j) {
+        if (j >= nk) {
+          for (int r = 0; r < NR; ++r) part[r][j] = _mm512_setzero_ps();
+          continue;
+        }
+        const uint8_t* row = kh + j * t.slot_bytes;
+        __m512 kv[NV];
+        for (int i = 0; i < NV; ++i) kv[i] = load16<CT>(row + 16 * i * sizeof(CT));
+        if constexpr (is_8bit_v<CT>) scales[j] = simd_scale<CT>(row, D);
+        for (int r = 0; r < NR; ++r) {
+          __m512 x = _mm512_mul_ps(_mm512_loadu_ps(qh + r * D), kv[0]);
+          for (int i = 1; i < NV; ++i) x = _mm512_fmadd_ps(_mm512_loadu_ps(qh + r * D + 16 * i), kv[i], x);
+          part[r][j] = x;
+        }
+      }
+      for (int r = 0; r < NR; ++r) {
+        __m512 s = sum_lanes16(part[r]);
+        if constexpr (is_8bit_v<CT>) s = _mm512_mul_ps(s, _mm512_load_ps(scales));  // lanes past nk: masked
+        const int64_t row = h * NR + r;
+        corr[r] = softmax_update(s, std::min(nk, causal_limit(t, row, kp0)), m[row], l[row], p + r * 16);
+      }
+      accumulate_pv<NR, NV, CT>(acc + h * NR * D, p, corr, t.v_cache + slot0 * t.slot_bytes + h * t.row_bytes,
+                                t.slot_bytes, nk, D);
+    }
+  });
+}
+
+template <int NV, typename CT>
+void attend_rows_avx512(const Tile& t, const float* q, float* o, std::vector<float>& scratch) {
+  constexpr int D = 16 * NV;
+  const int64_t rph = rows_per_head(t), rows = rph * t.kv_heads;
+  scratch.assign(16 + rows * (D + 2) + (rph > kDirectRows ? transposed_buffer<NV, CT>(t) : 0), 0.f);
+  float* acc = align64(scratch.data());
+  float* m = acc + rows * D;
+  float* l = m + rows;
+  std::fill(m, m + rows, kMinScore);
+  switch (rph) {
+    case 1: attend_rows_direct<1, NV, CT>(t, q, acc, m, l); break;
+    case 2: attend_rows_direct<2, NV, CT>(t, q, acc, m, l); break;
+    case 3: attend_rows_direct<3, NV, CT>(t, q, acc, m, l); break;
+    case kDirectRows: attend_rows_direct<kDirectRows, NV, CT>(t, q, acc, m, l); break;
+    default: attend_rows_transposed<NV, CT>(t, q, acc, m, l, l + rows); break;
   }
   normalize_rows(acc, l, rows, D, o);
 }

@@ -121,6 +121,21 @@ inline __m256 load8(const uint8_t* p, __m256 scale) {
 }
 #endif
 
+// The scale of a cache row of n elements: its stored float32 for 8-bit rows, 1 otherwise.
+template <typename CT>
+inline float row_scale(const uint8_t* row, int64_t n) {
+  float scale = 1.f;
+  if constexpr (is_8bit_v<CT>) std::memcpy(&scale, row + n, sizeof scale);
+  return scale;
+}
+
+// What turns a row's codes as the SIMD loads convert them (load8 with scale 1, the AVX-512 load16) into its
+// values: the row's scale, times 2^8 for e4m3 codes (converted through float16).
+template <typename CT>
+inline float simd_scale(const uint8_t* row, int64_t n) {
+  return std::is_same_v<CT, fp8_e4m3_t> ? row_scale<CT>(row, n) * 256.f : row_scale<CT>(row, n);
+}
+
 // One cache row of type CT -> n float32s.
 template <typename CT>
 inline void load_row(const uint8_t* __restrict row, int64_t n, float* __restrict dst) {
@@ -128,11 +143,10 @@ inline void load_row(const uint8_t* __restrict row, int64_t n, float* __restrict
     std::memcpy(dst, row, n * sizeof(float));
     return;
   }
-  float scale = 1.f;
-  if constexpr (is_8bit_v<CT>) std::memcpy(&scale, row + n, sizeof scale);
+  const float scale = row_scale<CT>(row, n);
   int64_t d = 0;
 #if defined(__AVX2__) && defined(__F16C__)
-  const __m256 vscale = _mm256_set1_ps(std::is_same_v<CT, fp8_e4m3_t> ? scale * 256.f : scale);
+  const __m256 vscale = _mm256_set1_ps(simd_scale<CT>(row, n));
   for (; d + 8 <= n; d += 8) _mm256_storeu_ps(dst + d, load8<CT>(row + d * sizeof(CT), vscale));
 #endif
   for (; d < n; ++d) {  // the baseline variant, and the tail
