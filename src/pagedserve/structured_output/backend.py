@@ -130,7 +130,7 @@ class GrammarCompileService:
         compiler = self._get_compiler()
         try:
             if spec.kind == "json":
-                check_schema(json.loads(spec.text))
+                check_schema(json.loads(spec.text), spec.text, self.timeout_s)
                 # Compact separators, no free whitespace: a small model left free whitespace can pad forever.
                 return compiler.compile_json_schema(spec.text, any_whitespace=False, strict_mode=True)
             if spec.kind == "json_object":

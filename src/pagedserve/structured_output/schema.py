@@ -6,6 +6,9 @@ break the schema. Those are refused by name instead.
 """
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from typing import Any
 
 from pagedserve.config import json_object
@@ -24,15 +27,48 @@ def load_schema(schema: str | dict) -> dict:
     return json_object(schema, "the JSON schema")
 
 
-def check_schema(schema: dict) -> None:
+# The meta-schema check is pure Python and holds the GIL for as long as it runs, which grows with the schema.
+# In a server thread a big schema starves the engine thread, which needs the GIL between its torch ops
+# (measured: a nested oneOf schema of ~3 MB stalled an 8-token request for 35 s on 2 cores). Schemas longer
+# than this many characters of JSON are checked in a child process at low priority instead (~0.2 s to start,
+# killed at the compile timeout); shorter ones take milliseconds in the thread.
+IN_THREAD_CHECK_CHARS = 32 * 1024
+_CHILD = """
+import json, os, sys
+os.nice(19)
+import jsonschema
+schema = json.load(sys.stdin)
+try:
+    jsonschema.validators.validator_for(schema).check_schema(schema)
+except jsonschema.SchemaError as e:
+    json.dump(["/".join(str(p) for p in e.absolute_path) or "(root)", e.message], sys.stdout)
+"""
+
+
+def check_schema(schema: dict, text: str | None = None, timeout_s: float | None = None) -> None:
+    # text: schema as JSON, when the caller has it (its length picks where the meta-schema check runs).
+    error = _meta_schema_error(schema, text, timeout_s)
+    if error is not None:
+        raise ValueError(f"invalid JSON schema at {error[0]}: {error[1]}")
+    _check_supported(schema, "#")
+
+
+def _meta_schema_error(schema: dict, text: str | None, timeout_s: float | None) -> tuple[str, str] | None:
+    text = json.dumps(schema) if text is None else text
+    if len(text) > IN_THREAD_CHECK_CHARS:
+        try:
+            out = subprocess.run([sys.executable, "-c", _CHILD], input=text, capture_output=True, text=True,
+                                 timeout=timeout_s, check=True).stdout
+        except subprocess.TimeoutExpired:
+            raise ValueError(f"the JSON schema could not be checked within {timeout_s:g}s; simplify it") from None
+        return tuple(json.loads(out)) if out else None
     import jsonschema
 
     try:
         jsonschema.validators.validator_for(schema).check_schema(schema)
     except jsonschema.SchemaError as e:
-        where = "/".join(str(p) for p in e.absolute_path) or "(root)"
-        raise ValueError(f"invalid JSON schema at {where}: {e.message}") from e
-    _check_supported(schema, "#")
+        return "/".join(str(p) for p in e.absolute_path) or "(root)", e.message
+    return None
 
 
 def _check_supported(node: Any, where: str) -> None:
