@@ -34,3 +34,14 @@ def test_child_process_check_is_killed_at_the_timeout():
     s = _big(False)
     with pytest.raises(ValueError, match="could not be checked within"):
         schema_mod.check_schema(s, json.dumps(s), timeout_s=0.001)
+
+
+def test_a_schema_the_child_cannot_check_is_a_value_error():
+    n = 3000  # nesting past the child's recursion limit (the text is written out: json.dumps would recurse too)
+    text = '{"type": "array", "items": ' * n + '{"type": "string"}' + "}" * n
+    deep: dict = {"type": "string"}
+    for _ in range(n):
+        deep = {"type": "array", "items": deep}
+    assert len(text) > schema_mod.IN_THREAD_CHECK_CHARS
+    with pytest.raises(ValueError, match="could not be checked: RecursionError"):
+        schema_mod._meta_schema_error(deep, text, timeout_s=60)

@@ -61,6 +61,9 @@ def _meta_schema_error(schema: dict, text: str | None, timeout_s: float | None) 
                                  timeout=timeout_s, check=True).stdout
         except subprocess.TimeoutExpired:
             raise ValueError(f"the JSON schema could not be checked within {timeout_s:g}s; simplify it") from None
+        except subprocess.CalledProcessError as e:  # e.g. nesting past the recursion limit: still the client's schema
+            last = (e.stderr.strip().splitlines() or ["no output"])[-1]
+            raise ValueError(f"the JSON schema could not be checked: {last}") from None
         return tuple(json.loads(out)) if out else None
     import jsonschema
 
