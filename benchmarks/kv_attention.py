@@ -3,6 +3,7 @@
     python benchmarks/kv_attention.py --out benchmarks/results/kv_attention.json          # micro-benchmark
     python benchmarks/kv_attention.py --cold --contexts 384 1024 --out ...                   # caches not in cache
     python benchmarks/kv_attention.py --e2e --out ...                                       # + engine decode tok/s
+    python benchmarks/kv_attention.py --prefill --isas amx avx512 --out ...                  # prefill steps, per ISA
 
 Micro-benchmark: one layer's decode step of the embedded model's attention shape (9 query heads, 3 kv heads,
 head_dim 64, blocks of 16) for 16 sequences at each context length: the kernel writes the new K/V (quantizing
@@ -13,6 +14,10 @@ rounds interleaved, and the median is reported, so load on a shared machine hits
 layers; together larger than the last-level cache), so the KV bytes come from memory as in the engine, where
 a step's weights evict them between layers. float32 queries on a float32 cache; bf16 queries (the bf16 model)
 on bf16 and int8 caches. Reports ms per call and the GB/s of KV cache read (K and V of every context token).
+--prefill: bf16 queries on bf16 and int8 caches, steps shaped like the engine's under its 512-token budget:
+a fresh prefill (400 + 112 new tokens), the next chunk over a cached part (112 cached + 288 new, then 224 new),
+16 suffixes of 20-60 tokens over a cached 1,000-token shared prefix, and 16 decoding sequences at 400 tokens;
+each --isas variant loaded side by side, rounds interleaved (the amx variant differs only in its prefill tiles).
 --e2e: the embedded model's engine, 16 prompts of 1,024 random tokens decoding 32 tokens each (ignore_eos):
 tokens / time of the steps after every prompt is prefilled, for --kv-cache-dtype auto (float32 here) and int8 with the kernel, and
 int8 with --attention-backend reference (the previous int8 path).
@@ -51,6 +56,20 @@ def decode_metadata(num_seqs: int, context: int) -> AttentionMetadata:
     return AttentionMetadata(slot_mapping=slots, block_tables=tables, seq_lens=torch.tensor(lens),
                              query_start_loc=torch.arange(num_seqs + 1), seq_lens_list=lens,
                              query_lens_list=[1] * num_seqs, block_size=BLOCK_SIZE)
+
+
+def batch_metadata(seqs: list[tuple[int, int]]) -> AttentionMetadata:
+    # seqs: (cached tokens, new tokens) per sequence; blocks interleaved across sequences as in decode_metadata.
+    n = len(seqs)
+    widths = [-(-(c + q) // BLOCK_SIZE) for c, q in seqs]
+    tables = torch.tensor([[i + b * n for b in range(max(widths))] for i in range(n)])
+    slots = [tables[i, p // BLOCK_SIZE].item() * BLOCK_SIZE + p % BLOCK_SIZE
+             for i, (c, q) in enumerate(seqs) for p in range(c, c + q)]
+    lens, qlens = [c + q for c, q in seqs], [q for _, q in seqs]
+    starts = torch.tensor([0] + qlens).cumsum(0)
+    return AttentionMetadata(slot_mapping=torch.tensor(slots), block_tables=tables, seq_lens=torch.tensor(lens),
+                             query_start_loc=starts, seq_lens_list=lens, query_lens_list=qlens,
+                             block_size=BLOCK_SIZE)
 
 
 def filled_cache(kv: str, num_blocks: int, gen: torch.Generator) -> torch.Tensor:
@@ -128,6 +147,40 @@ def cold(num_seqs: int, contexts: list[int], rounds: int, num_layers: int) -> li
     return rows
 
 
+PREFILL_STEPS = {
+    "prefill 400+112": [(0, 400), (0, 112)],
+    "chunk 112+288, 224": [(112, 288), (0, 224)],
+    "shared 1000 + 16x20-60": [(1000, 20 + (40 * i) // 15) for i in range(16)],
+    "decode 16 x 400": [(399, 1)] * 16,
+}
+
+
+def prefill(rounds: int, isas: list[str]) -> list[dict]:
+    backends = {name: CpuPagedAttentionBackend(kernels.load_isa(name)) for name in isas}
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for step, seqs in PREFILL_STEPS.items():
+        meta = batch_metadata(seqs)
+        n = sum(q for _, q in seqs)
+        q, k, v = (torch.randn(n, h, HEAD_DIM, generator=gen).to(torch.bfloat16)
+                   for h in (NUM_HEADS, NUM_KV_HEADS, NUM_KV_HEADS))
+        caches = {kv: filled_cache(kv, meta.block_tables.numel(), gen) for kv in ("bfloat16", "int8")}
+        times = {(kv, name): [] for kv in caches for name in backends}
+        reps = 20 if step.startswith("decode") else 3
+        for _ in range(rounds):
+            for kv, name in times:
+                t0 = time.perf_counter()
+                for _ in range(reps):
+                    backends[name].forward(q, k, v, caches[kv], meta, HEAD_DIM ** -0.5)
+                times[(kv, name)].append((time.perf_counter() - t0) / reps * 1e3)
+        for kv, name in times:
+            ms, base = statistics.median(times[(kv, name)]), statistics.median(times[(kv, isas[-1])])
+            rows.append({"step": step, "seqs": seqs, "kv_cache_dtype": kv, "isa": name, "ms_per_call": round(ms, 3),
+                         f"vs_{isas[-1]}": round(ms / base, 3)})
+            print(f"{step:24s} {kv:9s} {name:8s} {ms:8.3f} ms  x{ms / base:.2f} of {isas[-1]}", flush=True)
+    return rows
+
+
 def e2e(num_prompts: int, input_len: int, output_len: int) -> list[dict]:
     # Decode tok/s: tokens generated by the steps after every request has its first token, over those steps'
     # time (the prefill steps are left out; all requests decode together until they finish together).
@@ -170,6 +223,8 @@ def main() -> None:
     p.add_argument("--num-threads", type=int, default=None)
     p.add_argument("--cold", action="store_true", help="micro-benchmark over separate per-layer caches instead")
     p.add_argument("--cold-layers", type=int, default=30)
+    p.add_argument("--prefill", action="store_true", help="prefill-shaped steps, bf16, per --isas variant")
+    p.add_argument("--isas", nargs="+", default=["amx", "avx512"], help="--prefill: variants, baseline last")
     p.add_argument("--e2e", action="store_true", help="also engine decode tok/s, int8 vs auto")
     p.add_argument("--no-micro", action="store_true", help="skip the micro-benchmark")
     p.add_argument("--e2e-prompts", type=int, default=16)
@@ -184,7 +239,9 @@ def main() -> None:
               "shape": {"num_heads": NUM_HEADS, "num_kv_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM,
                         "block_size": BLOCK_SIZE},
               "micro": []}
-    if args.cold and not args.no_micro:
+    if args.prefill:
+        result["prefill"] = prefill(args.rounds, args.isas)
+    elif args.cold and not args.no_micro:
         result["cold"] = cold(args.num_seqs, args.contexts, args.rounds, args.cold_layers)
     elif not args.no_micro:
         result["micro"] = micro(args.num_seqs, args.contexts, args.rounds)

@@ -20,6 +20,7 @@
 #include <immintrin.h>
 #endif
 
+#include "amx_state.h"
 #include "kv_types.h"
 
 namespace pagedserve {
@@ -186,6 +187,19 @@ inline void attend_rows_generic(const Tile& t, const float* q, float* o, std::ve
 #if defined(__AVX512F__)
 #include "attention_avx512.h"
 #endif
+#if defined(PAGEDSERVE_AMX)
+#include "attention_amx.h"
+#endif
+
+// Whether tile t runs on AMX tiles (only the amx variant has them; kernels/isa.py).
+template <typename QT, typename CT>
+inline bool uses_amx(const Tile& t) {
+#if defined(PAGEDSERVE_AMX)
+  return std::is_same_v<QT, bf16_t> && !std::is_same_v<CT, float> && amx_applies(t);
+#else
+  return false;
+#endif
+}
 
 template <typename CT>
 inline void attend_rows(const Tile& t, const float* q, float* o, std::vector<float>& scratch) {
@@ -206,6 +220,13 @@ inline void attend_tile(const Tile& t, TileScratch& scratch) {
   const int64_t n = rows_per_head(t) * t.kv_heads * t.head_dim;
   scratch.io.resize(2 * n);
   float* q = scratch.io.data();
+#if defined(PAGEDSERVE_AMX)
+  if (uses_amx<QT, CT>(t)) {
+    attend_tile_amx<CT>(t, q + n, scratch.work);
+    store_outputs<QT>(t, q + n);
+    return;
+  }
+#endif
   load_queries<QT>(t, q);
   attend_rows<CT>(t, q, q + n, scratch.work);
   store_outputs<QT>(t, q + n);

@@ -21,8 +21,6 @@
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -30,6 +28,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "amx_state.h"
 #include "checks.h"
 #include "gguf_blocks.h"
 #include "ops_library.h"
@@ -39,15 +38,6 @@ namespace {
 using namespace pagedserve::gguf;
 
 constexpr int64_t kRowsPerPass = 32;  // weight rows per buffer: two A tiles
-
-// Linux hands out the 8 KB tile state only on request, once per process; a tile instruction without it
-// raises SIGILL. A function-local static runs the request exactly once, thread-safely.
-void require_tile_state() {
-  constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-  static const bool granted = syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-  TORCH_CHECK(granted, "gemm_gguf_amx: the kernel refused this process the AMX tile state (arch_prctl "
-              "ARCH_REQ_XCOMP_PERM); run with PAGEDSERVE_CPU_ISA=avx512 to use the kernels without AMX");
-}
 
 // Tiles 0-3: C (16 x 16 float32); 4, 5: A (16 weight rows x 32 bf16); 6, 7: B (16 K-pairs x 16 x rows x 2 bf16).
 struct alignas(64) TileConfig {
@@ -204,7 +194,7 @@ at::Tensor gemm_gguf_amx(const at::Tensor& x, const at::Tensor& w, int64_t type,
   }
   at::Tensor y = at::empty({m, n}, x.options().dtype(out_type));
   if (m == 0 || n == 0) return y;
-  require_tile_state();
+  pagedserve::require_tile_state(op);
   const int64_t m_tiles = (m + 15) / 16;
   const std::vector<uint16_t> xv =
       x_tiles(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), x.stride(0), m, m_tiles, k);

@@ -18,6 +18,7 @@
 #include <ATen/ops/empty_like.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <vector>
 
 #include "attention_tile.h"
@@ -156,6 +157,9 @@ at::Tensor paged_attention_typed(const at::Tensor& query, const at::Tensor& key,
   const int64_t num_tiles = static_cast<int64_t>(items.size() / 3);
   const int64_t heads_per_item = num_tiles >= 2 * at::get_num_threads() ? num_kv_heads : 1;
   const int64_t splits = num_kv_heads / heads_per_item;
+#if defined(PAGEDSERVE_AMX)
+  if constexpr (std::is_same_v<QT, pagedserve::bf16_t> && !std::is_same_v<CT, float>) pagedserve::require_tile_state(kOp);
+#endif
   const int64_t q_s0 = query.stride(0), q_s1 = query.stride(1);
   const QT* q_base = static_cast<const QT*>(query.data_ptr());
   QT* o_base = static_cast<QT*>(out.data_ptr());
