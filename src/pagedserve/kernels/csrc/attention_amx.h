@@ -3,21 +3,25 @@
 // variant (PAGEDSERVE_AMX, amx_state.h); decode rows and every other case keep the AVX-512 paths.
 #pragma once
 
-// Q K^T and P V run as TDPBF16PS (bf16 products, float32 sums); the online softmax stays float32 in AVX-512
-// (softmax_update). A tile's rows of one kv head go 16 at a time (a row group, zero rows past the end):
+// Q K^T and P V run as TDPBF16PS (bf16 products, float32 sums); the online softmax stays float32 in AVX-512.
+// A tile's rows of one kv head go 16 at a time (a row group; zero rows past the end). Scores come out
+// transposed, S^T = K Q^T (16 keys x 16 rows), so that the keys are the A tile, loaded straight from a bf16
+// cache's rows, and the softmax is vertical: one vector per key holds its scores for the 16 rows, the rows'
+// maxima, sums and rescale factors are elementwise max / add / exp over those vectors, with no horizontal
+// reductions. Then e^(S - m) is transposed once into P (16 rows x 16 keys, bf16) for acc += P V:
 //
+//   per row group, once per tile:  qt = Q^T in B-tile layout (pairs of dims x 16 rows), per 32 dims
 //   per sub-block of <= 16 keys (for_each_sub_block), per kv head:
-//     kt = K^T in B-tile layout (pairs of dims x 16 keys), one transpose16 per 32 dims   (shared by groups)
-//     vv = V in B-tile layout (pairs of keys x 16 dims), for each 16 dims               (shared by groups)
-//     per row group:  S = Q kt (float32) -> softmax_update per row -> P (bf16, 16 x 16 keys)
-//                     acc = acc * corr; acc += P vv   (acc tiles loaded from and stored to float32 rows)
+//     vv = V in B-tile layout (pairs of keys x 16 dims), per 16 dims                  (shared by groups)
+//     per row group:  S^T = K qt -> m' = max(m, max_j s_j); e_j = e^(s_j - m'); l = l e^(m - m') + sum_j e_j
+//                     acc = acc e^(m - m') (only when a row's max moved); acc += P vv, P = e^T in bf16
 //
 // Queries enter unscaled and unrounded (they are bf16 already): the scale multiplies S in float32. The only
 // rounding beyond the float32 paths' is P's, to bf16 (relative 2^-9 per weight). An 8-bit cache feeds its codes
-// (exact in bf16: int8 to +-127, e4m3 through load16) and its row scales multiply S's columns and P's weights.
+// (exact in bf16: int8 to +-127, e4m3 through load16); its row scales multiply S's rows and P's columns.
 
-// Tiles 0-3: C, 16 rows x 16 float32 (S, or acc for 16 dims each); 4: A, 16 query rows x 32 dims;
-// 5: B, kt for 32 dims; 6: A, P (16 rows x 16 keys); 7: B, vv for 16 dims (8 key pairs).
+// Tiles 0-3: C, 16 x 16 float32 (S^T, or acc for 16 dims each); 4: A, 16 keys x 32 dims; 5: B, qt for 32 dims;
+// 6: A, P (16 rows x 16 keys); 7: B, vv for 16 dims (8 key pairs).
 struct alignas(64) AttentionTileConfig {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
   uint16_t colsb[16] = {};
@@ -43,26 +47,88 @@ inline __m512i load32_bf16(const uint8_t* row, int64_t d) {
   }
 }
 
-// The sub-block's keys of kv head h (nk of them, from slot0) as B tiles, [D/32][16 dim pairs][16 keys] u32,
-// zero columns past nk; scales[j] = key j's simd_scale (8-bit caches).
-template <typename CT>
-inline void keys_to_tiles(const Tile& t, int64_t h, int64_t slot0, int64_t nk, uint32_t* kt, float* scales) {
-  const uint8_t* base = t.k_cache + slot0 * t.slot_bytes + h * t.row_bytes;
+// Buffers of attend_tile_amx, carved from TileScratch::work (float32 slots, 64-byte aligned pieces).
+struct AmxBuffers {
+  uint32_t* qt;   // [kv_heads][groups][D/32][16 dim pairs][16 rows] bf16 pairs
+  float* acc;     // [kv_heads][groups * 16][D]
+  float* m;       // [kv_heads][groups * 16]
+  float* l;
+  int32_t* pos;   // [kv_heads][groups * 16] each row's position; -1 for padding rows (sees no key)
+  uint16_t* k;    // [16][D] bf16 keys of the sub-block when they cannot be read in place
+  uint16_t* vv;   // [D/16][8][32]
+  float* s;       // [16 keys][16 rows] scores of one row group
+  uint16_t* p;    // [16 rows][16 keys] bf16 weights of one row group
+  float* kscale;  // [16] the keys' simd_scale (8-bit caches), times the attention scale
+  float* vscale;  // [16] the values' simd_scale (8-bit caches)
+};
+
+inline AmxBuffers amx_buffers(const Tile& t, std::vector<float>& work) {
+  const int64_t D = t.head_dim, padded = (rows_per_head(t) + 15) / 16 * 16 * t.kv_heads;
+  const int64_t sizes[] = {padded * D / 2, padded * D, padded, padded, padded, 8 * D, 8 * D, 256, 128, 16, 16};
+  constexpr int kParts = sizeof(sizes) / sizeof(sizes[0]);
+  int64_t total = 16;
+  for (const int64_t n : sizes) total += (n + 15) / 16 * 16;
+  work.resize(total);
+  float* at = align64(work.data());
+  float* parts[kParts];
+  for (int i = 0; i < kParts; ++i) parts[i] = at, at += (sizes[i] + 15) / 16 * 16;
+  return {reinterpret_cast<uint32_t*>(parts[0]), parts[1], parts[2], parts[3], reinterpret_cast<int32_t*>(parts[4]),
+          reinterpret_cast<uint16_t*>(parts[5]), reinterpret_cast<uint16_t*>(parts[6]), parts[7],
+          reinterpret_cast<uint16_t*>(parts[8]), parts[9], parts[10]};
+}
+
+// qt, pos, acc, m, l for the tile's rows (ordered as attention_tile.h's, each head padded to whole groups).
+inline void prepare_rows(const Tile& t, const AmxBuffers& b, int64_t padded_rph) {
+  const bf16_t* base = static_cast<const bf16_t*>(t.q);
+  const int64_t D = t.head_dim, rph = rows_per_head(t), n = t.kv_heads * padded_rph;
+  std::fill(b.acc, b.acc + n * D, 0.f);
+  std::fill(b.m, b.m + n, kMinScore);
+  std::fill(b.l, b.l + n, 0.f);
   __m512 rows[16], cols[16];
-  for (int64_t c = 0; c < t.head_dim / 32; ++c) {
-    for (int j = 0; j < 16; ++j)
-      rows[j] = j < nk ? _mm512_castsi512_ps(load32_bf16<CT>(base + j * t.slot_bytes, 32 * c)) : _mm512_setzero_ps();
-    transpose16(rows, cols);
-    for (int k = 0; k < 16; ++k) _mm512_store_ps(reinterpret_cast<float*>(kt + (c * 16 + k) * 16), cols[k]);
+  for (int64_t h = 0; h < t.kv_heads; ++h)
+    for (int64_t g = 0; g < padded_rph; g += 16)
+      for (int64_t c = 0; c < D / 32; ++c) {
+        for (int64_t r = 0; r < 16; ++r) {
+          const int64_t x = g + r, i = x / t.group;  // row x of the head: token i, head x % group of the group
+          b.pos[h * padded_rph + x] = x < rph ? static_cast<int32_t>(t.pos0 + i) : -1;
+          const bf16_t* q = base + i * t.q_tok_stride + (h * t.group + x % t.group) * t.q_head_stride + 32 * c;
+          rows[r] = x < rph ? _mm512_loadu_ps(q) : _mm512_setzero_ps();
+        }
+        transpose16(rows, cols);
+        uint32_t* dst = b.qt + ((h * padded_rph + g) / 16 * (D / 32) + c) * 256;
+        for (int k = 0; k < 16; ++k) _mm512_store_ps(reinterpret_cast<float*>(dst + 16 * k), cols[k]);
+      }
+}
+
+// Where the sub-block's keys of kv head h (nk of them, from slot0) are, as bf16 rows, and their stride in
+// bytes: in place for a whole sub-block of a bf16 cache; otherwise converted into b.k, zero rows past nk.
+// Sets b.kscale (scale x each key's simd_scale) and b.vscale.
+template <typename CT>
+inline const uint16_t* key_rows(const Tile& t, const AmxBuffers& b, int64_t h, int64_t slot0, int64_t nk,
+                                int64_t& stride) {
+  const uint8_t* base = t.k_cache + slot0 * t.slot_bytes + h * t.row_bytes;
+  const uint8_t* vbase = t.v_cache + slot0 * t.slot_bytes + h * t.row_bytes;
+  for (int j = 0; j < 16; ++j) {
+    const bool in = j < nk;
+    b.kscale[j] = t.scale * (in && is_8bit_v<CT> ? simd_scale<CT>(base + j * t.slot_bytes, t.head_dim) : 1.f);
+    b.vscale[j] = in ? (is_8bit_v<CT> ? simd_scale<CT>(vbase + j * t.slot_bytes, t.head_dim) : 1.f) : 0.f;
   }
-  if constexpr (is_8bit_v<CT>)
-    for (int j = 0; j < 16; ++j) scales[j] = j < nk ? simd_scale<CT>(base + j * t.slot_bytes, t.head_dim) : 0.f;
+  if (std::is_same_v<CT, bf16_t> && nk == 16) {
+    stride = t.slot_bytes;
+    return reinterpret_cast<const uint16_t*>(base);
+  }
+  stride = t.head_dim * 2;
+  for (int64_t j = 0; j < 16; ++j)
+    for (int64_t d = 0; d < t.head_dim; d += 32)
+      _mm512_store_si512(b.k + j * t.head_dim + d,
+                         j < nk ? load32_bf16<CT>(base + j * t.slot_bytes, d) : _mm512_setzero_si512());
+  return b.k;
 }
 
 // The sub-block's values of kv head h as B tiles, [D/16][8 key pairs][16 dims x 2] bf16: row p of tile i
-// interleaves dims 16i .. 16i+15 of keys 2p and 2p+1; zero past nk. scales as in keys_to_tiles.
+// interleaves dims 16i .. 16i+15 of keys 2p and 2p+1; zero past nk (so P's zero weights never meet garbage).
 template <typename CT>
-inline void values_to_tiles(const Tile& t, int64_t h, int64_t slot0, int64_t nk, uint16_t* vv, float* scales) {
+inline void values_to_tiles(const Tile& t, int64_t h, int64_t slot0, int64_t nk, uint16_t* vv) {
   const uint8_t* base = t.v_cache + slot0 * t.slot_bytes + h * t.row_bytes;
   const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6, 37,
                                       5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
@@ -75,87 +141,59 @@ inline void values_to_tiles(const Tile& t, int64_t h, int64_t slot0, int64_t nk,
       _mm512_store_si512(vv + ((2 * c) * 8 + p) * 32, _mm512_permutex2var_epi16(a, lo, b));
       _mm512_store_si512(vv + ((2 * c + 1) * 8 + p) * 32, _mm512_permutex2var_epi16(a, hi, b));
     }
-  if constexpr (is_8bit_v<CT>)
-    for (int j = 0; j < 16; ++j) scales[j] = j < nk ? simd_scale<CT>(base + j * t.slot_bytes, t.head_dim) : 0.f;
 }
 
-// Buffers of attend_tile_amx, carved from TileScratch::work (float32 slots, 64-byte aligned pieces).
-struct AmxBuffers {
-  uint16_t* q;    // [kv_heads][groups * 16][D] bf16 queries, zero rows past each head's rows
-  float* acc;     // [kv_heads][groups * 16][D]
-  float* m;       // [kv_heads][groups * 16]
-  float* l;
-  uint32_t* kt;   // [D/32][16][16]
-  uint16_t* vv;   // [D/16][8][32]
-  float* s;       // [16][16] scores of one row group
-  uint16_t* p;    // [16][16] bf16 weights of one row group
-  float* pf;      // [16][16] float32 weights from softmax_update
-  float* kscale;  // [16]
-  float* vscale;  // [16]
-};
-
-inline AmxBuffers amx_buffers(const Tile& t, std::vector<float>& work) {
-  const int64_t D = t.head_dim, padded = (rows_per_head(t) + 15) / 16 * 16 * t.kv_heads;
-  const int64_t sizes[] = {padded * D / 2, padded * D, padded, padded, D * 8, D * 8, 256, 128, 256, 16, 16};
-  int64_t total = 16;
-  for (const int64_t n : sizes) total += (n + 15) / 16 * 16;
-  work.resize(total);
-  float* at = align64(work.data());
-  float* parts[11];
-  for (int i = 0; i < 11; ++i) parts[i] = at, at += (sizes[i] + 15) / 16 * 16;
-  return {reinterpret_cast<uint16_t*>(parts[0]), parts[1], parts[2], parts[3], reinterpret_cast<uint32_t*>(parts[4]),
-          reinterpret_cast<uint16_t*>(parts[5]), parts[6], reinterpret_cast<uint16_t*>(parts[7]), parts[8],
-          parts[9], parts[10]};
-}
-
-// The tile's bf16 queries, rows ordered as attention_tile.h's, each head's rows padded to whole groups.
-inline void load_queries_bf16(const Tile& t, uint16_t* q, int64_t padded_rph) {
-  const bf16_t* base = static_cast<const bf16_t*>(t.q);
-  std::fill(q, q + t.kv_heads * padded_rph * t.head_dim, bf16_t{0});
-  for (int64_t h = 0; h < t.kv_heads; ++h)
-    for (int64_t i = 0; i < t.n_q; ++i)
-      for (int64_t g = 0; g < t.group; ++g)
-        std::memcpy(q + (h * padded_rph + i * t.group + g) * t.head_dim,
-                    base + i * t.q_tok_stride + (h * t.group + g) * t.q_head_stride, t.head_dim * sizeof(bf16_t));
-}
-
-// One row group (rows r0 .. r0+nr-1 of the tile, 16-row block `qrow` of the padded queries) against the
-// sub-block in kt / vv.
+// Row group `x` (rows x .. x+15 of the padded buffers) against the sub-block: keys at k (stride kstride bytes),
+// values in b.vv, keys kp0 .. kp0+nk-1.
 template <typename CT>
-inline void attend_group_amx(const Tile& t, const AmxBuffers& b, int64_t r0, int64_t nr, int64_t qrow, int64_t kp0,
-                             int64_t nk) {
+inline void attend_group_amx(const Tile& t, const AmxBuffers& b, int64_t x, const uint16_t* k, int64_t kstride,
+                             int64_t kp0, int64_t nk) {
   const int64_t D = t.head_dim;
   _tile_zero(0);
   for (int64_t c = 0; c < D / 32; ++c) {
-    _tile_loadd(4, b.q + qrow * D + 32 * c, D * 2);
-    _tile_loadd(5, b.kt + c * 256, 64);
+    _tile_loadd(4, k + 32 * c, kstride);
+    _tile_loadd(5, b.qt + (x / 16 * (D / 32) + c) * 256, 64);
     _tile_dpbf16ps(0, 4, 5);
   }
   _tile_stored(0, b.s, 64);
-  const __m512 kscale = is_8bit_v<CT> ? _mm512_mul_ps(_mm512_load_ps(b.kscale), _mm512_set1_ps(t.scale))
-                                      : _mm512_set1_ps(t.scale);
-  alignas(64) float corr[16];
-  bool rescale = false;
-  for (int64_t r = 0; r < 16; ++r) {
-    if (r >= nr) {  // padding rows: zero weights
-      _mm256_store_si256(reinterpret_cast<__m256i*>(b.p + r * 16), _mm256_setzero_si256());
-      corr[r] = 1.f;
-      continue;
-    }
-    const __m512 s = _mm512_mul_ps(_mm512_load_ps(b.s + r * 16), kscale);
-    corr[r] = softmax_update(s, std::min(nk, causal_limit(t, r0 + r, kp0)), b.m[qrow + r], b.l[qrow + r],
-                             b.pf + r * 16);
-    __m512 w = _mm512_load_ps(b.pf + r * 16);
-    if constexpr (is_8bit_v<CT>) w = _mm512_mul_ps(w, _mm512_load_ps(b.vscale));
-    _mm256_store_si256(reinterpret_cast<__m256i*>(b.p + r * 16), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(w)));
-    rescale |= corr[r] != 1.f;
+  // Keys a row may see: kp0 + j <= its position. Padding rows (position -1) and keys past nk see nothing.
+  const __m512i pos = _mm512_loadu_si512(b.pos + x);
+  const bool causal = kp0 + nk - 1 > _mm512_reduce_min_epi32(pos);
+  __m512 e[16];
+  __mmask16 seen[16];
+  __m512 mx = _mm512_load_ps(b.m + x);
+  for (int j = 0; j < 16; ++j) {
+    seen[j] = j >= nk ? 0 : causal ? _mm512_cmpge_epi32_mask(pos, _mm512_set1_epi32(kp0 + j)) : 0xFFFF;
+    e[j] = _mm512_mask_mul_ps(_mm512_set1_ps(kMinScore), seen[j], _mm512_load_ps(b.s + 16 * j),
+                              _mm512_set1_ps(b.kscale[j]));
+    mx = _mm512_max_ps(mx, e[j]);
   }
-  float* acc = b.acc + qrow * D;
-  if (rescale)
-    for (int64_t r = 0; r < nr; ++r) {
-      const __m512 c = _mm512_set1_ps(corr[r]);
-      for (int64_t d = 0; d < D; d += 16) _mm512_store_ps(acc + r * D + d, _mm512_mul_ps(_mm512_load_ps(acc + r * D + d), c));
+  const __m512 m_old = _mm512_load_ps(b.m + x);
+  const __mmask16 moved = _mm512_cmpneq_ps_mask(mx, m_old);
+  const __m512 corr = exp512(_mm512_sub_ps(m_old, mx));  // 0 where m_old is still kMinScore
+  __m512 sum = _mm512_setzero_ps();
+  for (int j = 0; j < 16; ++j) {
+    e[j] = _mm512_maskz_mov_ps(seen[j], exp512(_mm512_sub_ps(e[j], mx)));
+    sum = _mm512_add_ps(sum, e[j]);
+    if constexpr (is_8bit_v<CT>) e[j] = _mm512_mul_ps(e[j], _mm512_set1_ps(b.vscale[j]));  // P's columns, not l
+  }
+  _mm512_store_ps(b.m + x, mx);
+  _mm512_store_ps(b.l + x, _mm512_add_ps(_mm512_mul_ps(_mm512_load_ps(b.l + x), corr), sum));
+  float* acc = b.acc + x * D;
+  if (moved) {
+    alignas(64) float c[16];
+    _mm512_store_ps(c, corr);
+    for (int r = 0; r < 16; ++r) {
+      if (!((moved >> r) & 1)) continue;
+      const __m512 cr = _mm512_set1_ps(c[r]);
+      for (int64_t d = 0; d < D; d += 16)
+        _mm512_store_ps(acc + r * D + d, _mm512_mul_ps(_mm512_load_ps(acc + r * D + d), cr));
     }
+  }
+  __m512 w[16];
+  transpose16(e, w);  // w[r]: row r's weights for the 16 keys
+  for (int r = 0; r < 16; r += 2)
+    _mm512_store_si512(b.p + 16 * r, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(w[r + 1], w[r])));
   _tile_loadd(6, b.p, 32);
   for (int64_t i = 0; i < D / 16; ++i) {
     _tile_loadd(0, acc + 16 * i, D * 4);
@@ -170,18 +208,15 @@ template <typename CT>
 void attend_tile_amx(const Tile& t, float* o, std::vector<float>& work) {
   const int64_t D = t.head_dim, rph = rows_per_head(t), padded_rph = (rph + 15) / 16 * 16;
   const AmxBuffers b = amx_buffers(t, work);
-  load_queries_bf16(t, b.q, padded_rph);
-  std::fill(b.acc, b.acc + t.kv_heads * padded_rph * D, 0.f);
-  std::fill(b.m, b.m + t.kv_heads * padded_rph, kMinScore);
-  std::fill(b.l, b.l + t.kv_heads * padded_rph, 0.f);
+  prepare_rows(t, b, padded_rph);
   const AttentionTileConfig cfg;
   _tile_loadconfig(&cfg);
   for_each_sub_block(t, [&](int64_t kp0, int64_t nk, int64_t slot0) {
     for (int64_t h = 0; h < t.kv_heads; ++h) {
-      keys_to_tiles<CT>(t, h, slot0, nk, b.kt, b.kscale);
-      values_to_tiles<CT>(t, h, slot0, nk, b.vv, b.vscale);
-      for (int64_t g = 0; g < rph; g += 16)
-        attend_group_amx<CT>(t, b, h * rph + g, std::min<int64_t>(16, rph - g), h * padded_rph + g, kp0, nk);
+      int64_t kstride;
+      const uint16_t* k = key_rows<CT>(t, b, h, slot0, nk, kstride);
+      values_to_tiles<CT>(t, h, slot0, nk, b.vv);
+      for (int64_t g = 0; g < rph; g += 16) attend_group_amx<CT>(t, b, h * padded_rph + g, k, kstride, kp0, nk);
     }
   });
   _tile_release();
