@@ -1,7 +1,8 @@
 """The compiled attention kernel on low-precision data, on each ISA variant this CPU runs (kernels.parity_isas):
 8-bit caches (int8, fp8 e4m3) read directly equal the reference backend, which dequantizes with torch; rows the
 kernel quantizes equal kv_quant.quantize's within one code; every 8-bit code decodes exactly; bf16 queries and
-caches stay within bf16 rounding of a float32 reference."""
+caches stay within bf16 rounding of a float32 reference, also through the prefill tiles (the amx variant's AMX
+path: bf16 queries on bf16 and 8-bit caches, more than 4 query rows per kv head)."""
 from __future__ import annotations
 
 import pytest
@@ -122,6 +123,41 @@ def test_bf16_queries_close_to_float32(isa_name: str, kv: str) -> None:
     if kv != "int8":  # bf16 rows are stored exactly
         written = meta.slot_mapping
         assert torch.equal(got_cache.flatten(1, 2)[0, written].float(), k.float())
+
+
+# Prefill-shaped batches: chunks over cached prefixes (a long one, as a shared system prompt), query lengths
+# that are not multiples of the 16-token tile, 2 to 5 tokens (a few query rows per kv head), decodes between.
+PREFILL_SEQS = [(0, 45), (300, 23), (17, 16), (0, 5), (90, 1), (33, 2), (0, 1), (150, 64)]
+
+
+@pytest.mark.parametrize("isa_name", ISAS)
+@pytest.mark.parametrize("kv", ["bfloat16", "int8", "fp8_e4m3"])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size",
+                         [(9, 3, 64, 16), (8, 2, 128, 8), (4, 4, 32, 5), (6, 1, 64, 32)])
+def test_bf16_prefill_tiles_close_to_float32(isa_name: str, kv: str, num_heads: int, num_kv_heads: int,
+                                             head_dim: int, block_size: int) -> None:
+    gen = torch.Generator().manual_seed(4)
+    lens = [c + q for c, q in PREFILL_SEQS]
+    num_blocks = sum(-(-n // block_size) for n in lens) + 8
+    meta = build_attention_metadata(PREFILL_SEQS, scattered_block_tables(lens, block_size, num_blocks, seed=4),
+                                    block_size)
+    n = sum(q for _, q in PREFILL_SEQS)
+    q, k, v = (torch.randn(n, h, head_dim, generator=gen).to(torch.bfloat16)
+               for h in (num_heads, num_kv_heads, num_kv_heads))
+    cache = filled_cache(kv, torch.randn(2, num_blocks * block_size, num_kv_heads, head_dim, generator=gen),
+                         num_blocks, block_size)
+    got_cache = cache.clone()
+    got = CpuPagedAttentionBackend(kernels.load_isa(isa_name)).forward(q, k, v, got_cache, meta, head_dim ** -0.5)
+    # float32 arithmetic on the cache the kernel wrote (8-bit rows as it quantized them). The expected difference:
+    # the output's rounding to bf16 (2^-9 of |out|) and, on AMX, the weights' (2^-9 of each p_j, so at most 2^-9
+    # of sum_j p_j |v_j|: the same attention over |v|); twice that is the bound.
+    written = as_float(got_cache).flatten(1, 2)[:, meta.slot_mapping].view(2, n, num_kv_heads, head_dim)
+    reference = ReferenceAttentionBackend()
+    expected = reference.forward(q.float(), written[0], written[1], got_cache.clone(), meta, head_dim ** -0.5)
+    abs_values = as_float(got_cache)
+    abs_values[1].abs_()
+    magnitude = reference.forward(q.float(), written[0], written[1].abs(), abs_values, meta, head_dim ** -0.5)
+    assert ((got.float() - expected).abs() <= 2 ** -8 * (magnitude + expected.abs()) + 1e-6).all()
 
 
 @pytest.mark.parametrize("isa_name", ISAS)
