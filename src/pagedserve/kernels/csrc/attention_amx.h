@@ -33,6 +33,10 @@ struct alignas(64) AttentionTileConfig {
   }
 };
 
+// The query and cache types the AMX tiles take (float32 caches keep float32 arithmetic).
+template <typename QT, typename CT>
+constexpr bool amx_types_v = std::is_same_v<QT, bf16_t> && !std::is_same_v<CT, float>;
+
 inline bool amx_applies(const Tile& t) { return t.head_dim % 32 == 0 && rows_per_head(t) > kDirectRows; }
 
 // 32 elements of a cache row (dims d .. d+31) as bf16 codes: the stored bits for bf16, exact conversions

@@ -6,7 +6,9 @@
 // kv_types.h). The arithmetic is float32 throughout: queries are converted once per tile; the portable path
 // reads a float32 cache in place and converts other cache types a block at a time, all of the tile's kv
 // heads, into a small buffer that stays in L1 while every row of the tile reads it (kv_rows); the AVX-512
-// path converts in registers where it can (attention_avx512.h). Both prefetch two blocks ahead.
+// path converts in registers where it can (attention_avx512.h). Both prefetch two blocks ahead. In the amx
+// variant, tiles of bf16 queries with more than 4 rows per kv head (prefill) multiply on AMX tiles instead
+// (attention_amx.h): bf16 products, float32 sums and softmax.
 #pragma once
 
 #include <algorithm>
@@ -191,16 +193,6 @@ inline void attend_rows_generic(const Tile& t, const float* q, float* o, std::ve
 #include "attention_amx.h"
 #endif
 
-// Whether tile t runs on AMX tiles (only the amx variant has them; kernels/isa.py).
-template <typename QT, typename CT>
-inline bool uses_amx(const Tile& t) {
-#if defined(PAGEDSERVE_AMX)
-  return std::is_same_v<QT, bf16_t> && !std::is_same_v<CT, float> && amx_applies(t);
-#else
-  return false;
-#endif
-}
-
 template <typename CT>
 inline void attend_rows(const Tile& t, const float* q, float* o, std::vector<float>& scratch) {
 #if defined(__AVX512F__)
@@ -221,10 +213,12 @@ inline void attend_tile(const Tile& t, TileScratch& scratch) {
   scratch.io.resize(2 * n);
   float* q = scratch.io.data();
 #if defined(PAGEDSERVE_AMX)
-  if (uses_amx<QT, CT>(t)) {
-    attend_tile_amx<CT>(t, q + n, scratch.work);
-    store_outputs<QT>(t, q + n);
-    return;
+  if constexpr (amx_types_v<QT, CT>) {
+    if (amx_applies(t)) {
+      attend_tile_amx<CT>(t, q + n, scratch.work);
+      store_outputs<QT>(t, q + n);
+      return;
+    }
   }
 #endif
   load_queries<QT>(t, q);

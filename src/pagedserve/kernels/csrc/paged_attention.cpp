@@ -1,5 +1,6 @@
 // Paged attention for CPU: float32 or bf16 queries, a float32, bf16, int8 or fp8 e4m3 KV cache (8-bit rows carry
-// their scale: kv_types.h), float32 arithmetic. Registered as torch.ops.pagedserve_<isa>.* (ops_library.h); built on first use by
+// their scale: kv_types.h), float32 arithmetic (in the amx variant, bf16 prefill tiles multiply on AMX tiles with
+// float32 sums: attention_amx.h). Registered as torch.ops.pagedserve_<isa>.* (ops_library.h); built on first use by
 // pagedserve/kernels/__init__.py through torch.utils.cpp_extension and cached. Threads come from ATen's
 // pool (at::parallel_for), so they follow torch.set_num_threads and never oversubscribe it.
 //
@@ -18,7 +19,6 @@
 #include <ATen/ops/empty_like.h>
 
 #include <algorithm>
-#include <type_traits>
 #include <vector>
 
 #include "attention_tile.h"
@@ -158,7 +158,7 @@ at::Tensor paged_attention_typed(const at::Tensor& query, const at::Tensor& key,
   const int64_t heads_per_item = num_tiles >= 2 * at::get_num_threads() ? num_kv_heads : 1;
   const int64_t splits = num_kv_heads / heads_per_item;
 #if defined(PAGEDSERVE_AMX)
-  if constexpr (std::is_same_v<QT, pagedserve::bf16_t> && !std::is_same_v<CT, float>) pagedserve::require_tile_state(kOp);
+  if constexpr (pagedserve::amx_types_v<QT, CT>) pagedserve::require_tile_state(kOp);
 #endif
   const int64_t q_s0 = query.stride(0), q_s1 = query.stride(1);
   const QT* q_base = static_cast<const QT*>(query.data_ptr());
