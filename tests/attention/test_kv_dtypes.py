@@ -122,6 +122,19 @@ def test_needle_in_system_prompt(embedded_model, kv: str) -> None:
     assert "PELICAN" in text, f"{kv}: {text!r}"
 
 
+def test_needle_with_bf16_model(embedded_model) -> None:
+    # bf16 queries: on an AMX CPU the 512-token prefill chunks (the second over the cached first) run the AMX tiles.
+    from pagedserve.model.loader import load_model
+
+    model = load_model(None, dtype=torch.bfloat16).model
+    ids = needle_prompt(embedded_model.tokenizer)
+    for kv in ("bfloat16", "int8"):
+        caches = allocate_kv_caches(len(model.model.layers), 70, 16, model.num_kv_heads, model.head_dim,
+                                    kv_quant.storage_dtype(kv), "cpu")
+        text = embedded_model.tokenizer.decode(greedy_continuation(model, ids, caches, 16, max_tokens=10))
+        assert "PELICAN" in text, f"{kv}: {text!r}"
+
+
 def test_engine_int8_kv_cache(caplog) -> None:
     from pagedserve import LLM, SamplingParams
 
