@@ -136,10 +136,12 @@ class DeviceConfig:
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model")
-# Speculation stops paying once the batch alone keeps the matrix units busy (each request's k drafts then
-# cost nearly k decode tokens of compute). benchmarks/speculative.py still measured a gain at 16 streams on
-# 2 CPU cores (TPOT 1.09x lower), so drafts stay on up to 16 running requests; larger batches are unmeasured.
-SPEC_DISABLE_BY_BATCH_SIZE = 16
+# disable_by_batch_size's default per method: no drafts above this many running requests. Speculation stops
+# paying once the batch alone keeps the matrix units busy (each request's k drafts then cost nearly k decode
+# tokens of verify compute); a draft model also runs k passes of its own per step, which grow with the batch,
+# so it stops paying at a smaller batch than n-gram lookup (free). Measured by benchmarks/speculative.py's
+# batch-size sweep (benchmarks/README.md, "Speculative decoding").
+SPEC_DISABLE_BY_BATCH_SIZE = {"ngram": 16, "draft_model": 16}
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,8 +158,9 @@ class SpeculativeConfig:
     # output the target's). None: as the target's default (gguf blocks for a GGUF file).
     quantization: str | None = None
     # No drafts in a step whose running batch holds more requests than this (vLLM V0's
-    # speculative_disable_by_batch_size); None = never off.
-    disable_by_batch_size: int | None = SPEC_DISABLE_BY_BATCH_SIZE
+    # speculative_disable_by_batch_size); None = never off; "auto" = the method's measured default
+    # (SPEC_DISABLE_BY_BATCH_SIZE), which __post_init__ puts in its place.
+    disable_by_batch_size: int | str | None = "auto"
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -175,8 +178,11 @@ class SpeculativeConfig:
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(f"speculative quantization must be one of {', '.join(QUANTIZATIONS)}, "
                              f"got {self.quantization!r}")
-        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
-            raise ValueError(f"disable_by_batch_size must be >= 1, got {self.disable_by_batch_size}")
+        limit = self.disable_by_batch_size
+        if limit == "auto":
+            object.__setattr__(self, "disable_by_batch_size", SPEC_DISABLE_BY_BATCH_SIZE[self.method])
+        elif limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
+            raise ValueError(f"disable_by_batch_size must be an integer >= 1, \"auto\" or null, got {limit!r}")
 
     @classmethod
     def parse(cls, value: "SpeculativeConfig | dict | str | None") -> "SpeculativeConfig | None":

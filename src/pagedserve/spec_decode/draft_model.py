@@ -92,6 +92,8 @@ class DraftModel:
                  max_model_len: int, dtype: torch.dtype, device: torch.device) -> None:
         hf = loaded.hf_config
         self.model = loaded.model
+        self.dtype = dtype
+        self.quantization = loaded.quantization
         self.vocab_size = hf.vocab_size
         self.k = k
         self.num_blocks = num_blocks
