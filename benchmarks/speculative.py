@@ -13,9 +13,10 @@ Every setting's engine is built first; then each round runs every stream count f
 its rounds' mean TPOTs; its ratio is off's median over its own.
 
 Target and draft: every row runs the same target (--target-dtype / --target-quantization; the JSON records
-what the engine resolved). The draft_model row's draft is the same GGUF in its own format (--draft-dtype /
---draft-quantization): by default the GGUF blocks on bfloat16 (the cheapest kernel path) drafting for a
-full-precision target (--target-quantization none), the case where a quantized self-draft pays.
+what the engine resolved). Each draft_model row's draft is the same GGUF in its own format (--drafts
+DTYPE/QUANTIZATION ...): by default the GGUF blocks on bfloat16 drafting for a full-precision target
+(--target-quantization none), the case where a quantized self-draft can pay. The *_default rows (ngram and
+the first draft) keep the method's default disable_by_batch_size; the others are always on.
 
     flock /work/wt/BENCH_LOCK -c "python benchmarks/speculative.py --out benchmarks/results/speculative.json"
 """
@@ -128,10 +129,10 @@ def main() -> None:
                     help="every row's target weights (--quantization): none = full precision (dense weights), "
                          "gguf = the GGUF's own blocks (the engine's default for a GGUF file)")
     ap.add_argument("--draft-model", default=None, help="draft_model row's draft (default: the embedded model)")
-    ap.add_argument("--draft-dtype", default="bfloat16", help="the draft's dtype")
-    ap.add_argument("--draft-quantization", default="gguf",
-                    help="the draft's weights: gguf = the GGUF's Q4_1 blocks; int8 = the GGUF requantized to Q8_0 "
-                         "blocks (cheaper on AVX2-only CPUs, float32 only); none = dense")
+    ap.add_argument("--drafts", nargs="+", default=["bfloat16/gguf"], metavar="DTYPE/QUANTIZATION",
+                    help="one draft_model row per draft format: gguf = the GGUF's Q4_1 blocks; int8 = the GGUF "
+                         "requantized to Q8_0 blocks (float32 only); none = dense (float32 still reads the exact "
+                         "Q4_1 blocks at decode, layers/linear.py)")
     ap.add_argument("--skip-draft", action="store_true", help="no draft_model rows")
     ap.add_argument("--skip-defaults", action="store_true",
                     help="no rows with the default disable_by_batch_size (they differ from the always-on rows only "
@@ -147,11 +148,13 @@ def main() -> None:
     if not args.skip_draft:
         from pagedserve.model.loader import default_model_path
 
-        specs["draft_model"] = {"method": "draft_model", "model": args.draft_model or default_model_path(),
-                                "dtype": args.draft_dtype, "quantization": args.draft_quantization,
-                                "num_speculative_tokens": args.k, "disable_by_batch_size": None}
+        for draft in args.drafts:
+            dtype, quantization = draft.split("/")
+            specs[f"draft_model_{dtype}_{quantization}"] = {
+                "method": "draft_model", "model": args.draft_model or default_model_path(), "dtype": dtype,
+                "quantization": quantization, "num_speculative_tokens": args.k, "disable_by_batch_size": None}
     if not args.skip_defaults and max_streams > 1:  # the method's default cut-off: it matters above 1 stream
-        for name in list(specs)[1:]:
+        for name in ["ngram"] + [n for n in specs if n.startswith("draft_model")][:1]:
             specs[name + "_default"] = {k: v for k, v in specs[name].items() if k != "disable_by_batch_size"}
     llms = {name: build(spec, args, max(16, max_streams), convs, params) for name, spec in specs.items()}
     runs: dict[tuple[str, int], list[dict]] = {}
@@ -165,7 +168,7 @@ def main() -> None:
                 runs.setdefault((name, n), []).append(result)
                 if n == 1 and r == 0:
                     texts[name] = out_texts
-                print(f"round {r} {n:3d} streams {name:20s} TPOT {result['tpot_mean_ms']:8.2f} ms", flush=True)
+                print(f"round {r} {n:3d} streams {name:30s} TPOT {result['tpot_mean_ms']:8.2f} ms", flush=True)
     settings = {name: {"speculative_config": spec, **configuration(llms[name]),
                        **{f"{n}_streams": summarize(runs[name, n]) for n in args.streams if (name, n) in runs}}
                 for name, spec in specs.items()}
@@ -186,7 +189,7 @@ def main() -> None:
                           "example_answer": texts["off"][0] if texts.get("off") else None})
     for key, rows in summary.items():
         for name, r in rows.items():
-            print(f"{key:11s} {name:20s} TPOT {r['tpot_ms']:8.2f} ms  off/on {r['tpot_ratio_off_over_on']:.3f}  "
+            print(f"{key:11s} {name:30s} TPOT {r['tpot_ms']:8.2f} ms  off/on {r['tpot_ratio_off_over_on']:.3f}  "
                   f"acceptance {r['acceptance_rate']}  mean length {r['mean_acceptance_length']}")
     print("greedy text identical at 1 stream:", identical, "load:", machine["load_avg_after"])
 
