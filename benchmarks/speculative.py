@@ -14,8 +14,10 @@ its rounds' mean TPOTs; its ratio is off's median over its own.
 
 Target and draft: every row runs the same target (--target-dtype / --target-quantization; the JSON records
 what the engine resolved). Each draft_model row's draft is the same GGUF in its own format (--drafts
-DTYPE/QUANTIZATION ...): by default the GGUF blocks on bfloat16 drafting for a full-precision target
-(--target-quantization none), the case where a quantized self-draft can pay. The *_default rows (ngram and
+DTYPE/QUANTIZATION ...) drafting for a full-precision target (--target-quantization none, dense bf16 on an
+AMX CPU), the case where a quantized self-draft can pay. By default two drafts: float32/none (on the embedded
+GGUF the loader finds its exact Q4_1 blocks and decodes through them with float32 activations, the cheapest
+single-token path today) and bfloat16/gguf (the GGUF blocks on the bf16/AMX kernel). The *_default rows (ngram and
 the first draft) keep the method's default disable_by_batch_size; the others are always on.
 
     flock /work/wt/BENCH_LOCK -c "python benchmarks/speculative.py --out benchmarks/results/speculative.json"
@@ -129,7 +131,7 @@ def main() -> None:
                     help="every row's target weights (--quantization): none = full precision (dense weights), "
                          "gguf = the GGUF's own blocks (the engine's default for a GGUF file)")
     ap.add_argument("--draft-model", default=None, help="draft_model row's draft (default: the embedded model)")
-    ap.add_argument("--drafts", nargs="+", default=["bfloat16/gguf"], metavar="DTYPE/QUANTIZATION",
+    ap.add_argument("--drafts", nargs="+", default=["float32/none", "bfloat16/gguf"], metavar="DTYPE/QUANTIZATION",
                     help="one draft_model row per draft format: gguf = the GGUF's Q4_1 blocks; int8 = the GGUF "
                          "requantized to Q8_0 blocks (float32 only); none = dense (float32 still reads the exact "
                          "Q4_1 blocks at decode, layers/linear.py)")
