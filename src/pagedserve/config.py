@@ -140,17 +140,18 @@ SPECULATIVE_METHODS = ("ngram", "draft_model")
 # paying once the batch alone keeps the matrix units busy (each request's k drafts then cost nearly k decode
 # tokens of verify compute). n-gram lookup is free, so only the verify grows; a draft model also runs k
 # passes of its own per step, which grow with the batch, so it stops paying at a smaller batch.
-# benchmarks/speculative.py's batch-size sweep (benchmarks/README.md, "Speculative decoding", AMX Xeon,
-# k = 4, bf16 target): n-gram 2.0x lower TPOT at 1 stream, still 1.24-1.38x at 16 streams, 0.86x at 32;
-# a GGUF-block self-draft 1.08x at 1, 0.97-1.2x up to 8 streams (noise), 0.70-0.75x at 16, 0.46x at 32.
-SPEC_DISABLE_BY_BATCH_SIZE = {"ngram": 16, "draft_model": 8}
+# benchmarks/speculative.py's batch-size sweep (benchmarks/README.md, "Speculative decoding: batch-size
+# sweep"; AMX Xeon, k = 4, full-precision bf16 target, off/on TPOT): n-gram 2.0-2.4x at 1 stream, still
+# 1.17-1.38x at 16 streams, 0.86x at 32; the embedded GGUF as its own draft 1.1-1.5x at 1 stream, 1.15-1.24x
+# at 2, 0.93-0.985x at 4, 0.48-0.75x at 16. Cheaper draft kernels or a smaller draft would move its cut-off up.
+SPEC_DISABLE_BY_BATCH_SIZE = {"ngram": 16, "draft_model": 2}
 
 
 @dataclass(frozen=True, slots=True)
 class SpeculativeConfig:
     """vLLM's --speculative-config: drafts are extra query tokens of a step, verified in one forward pass.
 
-    disable_by_batch_size defaults per method ("auto"): 16 running requests for ngram, 8 for draft_model
+    disable_by_batch_size defaults per method ("auto"): 16 running requests for ngram, 2 for draft_model
     (SPEC_DISABLE_BY_BATCH_SIZE, measured); an integer or None (never off) overrides it."""
     method: str = "ngram"
     num_speculative_tokens: int = 3

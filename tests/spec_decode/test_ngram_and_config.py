@@ -34,9 +34,9 @@ def test_disable_by_batch_size_default_is_the_methods():
     # "auto" (the default) becomes the method's measured cut-off; an explicit value or null is kept.
     assert SpeculativeConfig().disable_by_batch_size == 16
     draft = {"method": "draft_model", "model": "d.gguf"}
-    assert SpeculativeConfig(**draft).disable_by_batch_size == 8
-    assert SpeculativeConfig.parse(draft).disable_by_batch_size == 8
-    assert SpeculativeConfig.parse({**draft, "disable_by_batch_size": "auto"}).disable_by_batch_size == 8
+    assert SpeculativeConfig(**draft).disable_by_batch_size == 2
+    assert SpeculativeConfig.parse(draft).disable_by_batch_size == 2
+    assert SpeculativeConfig.parse({**draft, "disable_by_batch_size": "auto"}).disable_by_batch_size == 2
     assert SpeculativeConfig.parse({**draft, "disable_by_batch_size": 32}).disable_by_batch_size == 32
     assert SpeculativeConfig.parse('{"disable_by_batch_size": null}').disable_by_batch_size is None
 
