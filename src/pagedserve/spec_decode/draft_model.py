@@ -145,7 +145,7 @@ class DraftModel:
         k, dev = self.k, self.device
         if all(row.bonus is None for row in rows):  # nothing proposes: no forward, the draft lags
             for row in rows:
-                self._valid.setdefault(row.req_id, row.start)
+                self._valid[row.req_id] = row.start  # catch_up_start's: lower after a preemption
             return {}, {}
         runs, proposing = [], []
         for row in rows:
