@@ -136,15 +136,23 @@ class DeviceConfig:
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model")
-# Speculation stops paying once the batch alone keeps the matrix units busy (each request's k drafts then
-# cost nearly k decode tokens of compute). benchmarks/speculative.py still measured a gain at 16 streams on
-# 2 CPU cores (TPOT 1.09x lower), so drafts stay on up to 16 running requests; larger batches are unmeasured.
-SPEC_DISABLE_BY_BATCH_SIZE = 16
+# disable_by_batch_size's default per method: no drafts above this many running requests. Speculation stops
+# paying once the batch alone keeps the matrix units busy (each request's k drafts then cost nearly k decode
+# tokens of verify compute). n-gram lookup is free, so only the verify grows; a draft model also runs k
+# passes of its own per step, which grow with the batch, so it stops paying at a smaller batch.
+# benchmarks/speculative.py's batch-size sweep (benchmarks/README.md, "Speculative decoding: batch-size
+# sweep"; AMX Xeon, k = 4, full-precision bf16 target, off/on TPOT): n-gram 2.0-2.4x at 1 stream, still
+# 1.17-1.38x at 16 streams, 0.86x at 32; the embedded GGUF as its own draft 1.1-1.5x at 1 stream, 1.15-1.24x
+# at 2, 0.93-0.985x at 4, 0.48-0.75x at 16. Cheaper draft kernels or a smaller draft would move its cut-off up.
+SPEC_DISABLE_BY_BATCH_SIZE = {"ngram": 16, "draft_model": 2}
 
 
 @dataclass(frozen=True, slots=True)
 class SpeculativeConfig:
-    """vLLM's --speculative-config: drafts are extra query tokens of a step, verified in one forward pass."""
+    """vLLM's --speculative-config: drafts are extra query tokens of a step, verified in one forward pass.
+
+    disable_by_batch_size defaults per method ("auto"): 16 running requests for ngram, 2 for draft_model
+    (SPEC_DISABLE_BY_BATCH_SIZE, measured); an integer or None (never off) overrides it."""
     method: str = "ngram"
     num_speculative_tokens: int = 3
     prompt_lookup_min: int = 1          # ngram: shortest suffix looked up in the sequence
@@ -156,8 +164,9 @@ class SpeculativeConfig:
     # output the target's). None: as the target's default (gguf blocks for a GGUF file).
     quantization: str | None = None
     # No drafts in a step whose running batch holds more requests than this (vLLM V0's
-    # speculative_disable_by_batch_size); None = never off.
-    disable_by_batch_size: int | None = SPEC_DISABLE_BY_BATCH_SIZE
+    # speculative_disable_by_batch_size); None = never off; "auto" = the method's measured default
+    # (SPEC_DISABLE_BY_BATCH_SIZE), which __post_init__ puts in its place.
+    disable_by_batch_size: int | str | None = "auto"
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -175,8 +184,11 @@ class SpeculativeConfig:
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(f"speculative quantization must be one of {', '.join(QUANTIZATIONS)}, "
                              f"got {self.quantization!r}")
-        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
-            raise ValueError(f"disable_by_batch_size must be >= 1, got {self.disable_by_batch_size}")
+        limit = self.disable_by_batch_size
+        if limit == "auto":
+            object.__setattr__(self, "disable_by_batch_size", SPEC_DISABLE_BY_BATCH_SIZE[self.method])
+        elif limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
+            raise ValueError(f"disable_by_batch_size must be an integer >= 1, \"auto\" or null, got {limit!r}")
 
     @classmethod
     def parse(cls, value: "SpeculativeConfig | dict | str | None") -> "SpeculativeConfig | None":

@@ -96,3 +96,28 @@ def test_draft_samples_with_the_requests_top_k_and_top_p(tiny):
                 assert int(support.max()) < q.shape[1] // 10  # top-p cut the tail
         spec = llm.llm_engine.core.stats.spec
         assert (spec.num_accepted_tokens - accepted) / (spec.num_draft_tokens - drafts) > 0.9
+
+
+def test_draft_runs_nothing_above_the_cut_off_and_catches_up_after(tiny):
+    # Above disable_by_batch_size the draft runs no forward and lags; once the batch shrinks it catches up in
+    # one pass and drafts as well as ever (a self-draft over stale K/V would be rejected), output exact.
+    rng = random.Random(1)
+    prompts = [{"prompt_token_ids": [rng.randrange(1100) for _ in range(rng.randint(5, 30))]} for _ in range(6)]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (3, 3, 5, 5, 30, 30)]
+    kw = dict(model=tiny["target"], kv_cache_memory_bytes=1 << 20, max_num_seqs=8, block_size=4)
+    off = LLM(**kw).generate(prompts, params, use_tqdm=False)
+    llm = LLM(**kw, speculative_config={**draft_config(tiny["target"], k=3), "disable_by_batch_size": 2})
+    runner = llm.llm_engine.core.runner
+    real_forward, flags = runner.drafter.model.forward, []
+
+    def forward(*args, **kwargs):
+        flags.append(runner.propose_drafts)
+        return real_forward(*args, **kwargs)
+
+    runner.drafter.model.forward = forward
+    on = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in on] == [o.outputs[0].token_ids for o in off]
+    assert flags and all(flags)  # no draft forward in a step above the cut-off
+    spec = llm.llm_engine.core.stats.spec
+    assert spec.num_draft_tokens >= 2 * 3 * 3 and spec.acceptance_rate > 0.9
+    assert llm.llm_engine.core.kv.pool.num_free_blocks == llm.llm_engine.core.num_kv_blocks

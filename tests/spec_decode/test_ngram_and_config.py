@@ -30,6 +30,17 @@ def test_speculative_config_from_json_and_the_cli():
     assert EngineArgs().create_engine_config().speculative is None
 
 
+def test_disable_by_batch_size_default_is_the_methods():
+    # "auto" (the default) becomes the method's measured cut-off; an explicit value or null is kept.
+    assert SpeculativeConfig().disable_by_batch_size == 16
+    draft = {"method": "draft_model", "model": "d.gguf"}
+    assert SpeculativeConfig(**draft).disable_by_batch_size == 2
+    assert SpeculativeConfig.parse(draft).disable_by_batch_size == 2
+    assert SpeculativeConfig.parse({**draft, "disable_by_batch_size": "auto"}).disable_by_batch_size == 2
+    assert SpeculativeConfig.parse({**draft, "disable_by_batch_size": 32}).disable_by_batch_size == 32
+    assert SpeculativeConfig.parse('{"disable_by_batch_size": null}').disable_by_batch_size is None
+
+
 @pytest.mark.parametrize("value, message", [
     ("{not json", "not valid JSON"),
     ('["ngram"]', "must be a JSON object"),
@@ -39,6 +50,8 @@ def test_speculative_config_from_json_and_the_cli():
     ({"method": "draft_model"}, "needs 'model'"),
     ({"k": 3}, "unknown speculative_config keys"),
     ({"disable_by_batch_size": 0}, "disable_by_batch_size"),
+    ({"disable_by_batch_size": "16"}, "disable_by_batch_size"),
+    ({"disable_by_batch_size": 2.5}, "disable_by_batch_size"),
     ({"method": "draft_model", "model": "d.gguf", "quantization": "q2_k"}, "speculative quantization must be"),
 ])
 def test_bad_speculative_config_is_a_value_error(value, message):

@@ -1,9 +1,13 @@
 """Draft-model speculation (vLLM's "draft_model" method): a second, smaller or cheaper model proposes k tokens.
 
 KV: the draft's paged pool mirrors the target's physical blocks (same block ids, same slots), so the KV
-manager allocates nothing for it. Invariant: after every step the draft's K/V is valid at every position the
-target has verified (num_computed_tokens), prefix-cache hits included (the request that filled a cached
-block ran the draft on it as well).
+manager allocates nothing for it. Invariant: after every step that proposes, the draft's K/V is valid at
+every position the target has verified (num_computed_tokens), prefix-cache hits included (the request that
+filled a cached block ran the draft on it as well). A step that proposes nothing (the batch is above
+disable_by_batch_size) runs no draft forward: the draft lags, and catches up in one pass from where it
+stopped (catch_up_start) when proposing resumes, so above the cut-off draft_model costs what speculation off
+does. A block filled while the draft lagged may enter the prefix cache without the draft's K/V; a request
+that hits it drafts worse there (acceptance only: the output stays the target's).
 
 One step of the draft, after the target's step has verified its drafts (step()):
 
@@ -92,6 +96,8 @@ class DraftModel:
                  max_model_len: int, dtype: torch.dtype, device: torch.device) -> None:
         hf = loaded.hf_config
         self.model = loaded.model
+        self.dtype = dtype
+        self.quantization = loaded.quantization
         self.vocab_size = hf.vocab_size
         self.k = k
         self.num_blocks = num_blocks
@@ -107,9 +113,16 @@ class DraftModel:
                                             block_size, num_kv_heads, head_dim, dtype, device)
         self.host_caches: list[torch.Tensor] = []
         self._proposals: dict[str, _Proposal] = {}
+        self._valid: dict[str, int] = {}  # per request: the draft's K/V is valid below this position
 
     def forget(self, req_id: str) -> None:
         self._proposals.pop(req_id, None)
+        self._valid.pop(req_id, None)
+
+    def catch_up_start(self, req_id: str, start: int) -> int:
+        # The first position this step's draft may need: where the draft stopped if it lagged, else the
+        # target's start (lower after a preemption; a new request's cached prefix counts as drafted).
+        return min(self._valid.get(req_id, start), start)
 
     def _valid_until(self, row: DraftRow) -> int:
         # First position in [start, verified) whose draft K/V must be computed now.
@@ -130,6 +143,10 @@ class DraftModel:
         """Catches the draft's K/V up to each row's verified tokens and proposes k drafts for rows with a
         bonus token. Returns the drafts and their distributions q ([k, V]; None for greedy rows)."""
         k, dev = self.k, self.device
+        if all(row.bonus is None for row in rows):  # nothing proposes: no forward, the draft lags
+            for row in rows:
+                self._valid[row.req_id] = row.start  # catch_up_start's: lower after a preemption
+            return {}, {}
         runs, proposing = [], []
         for row in rows:
             first = self._valid_until(row)
@@ -141,8 +158,7 @@ class DraftModel:
                 runs.append((row, first, ids))
         for row in rows:
             self._proposals.pop(row.req_id, None)
-        if not runs:
-            return {}, {}
+            self._valid[row.req_id] = row.verified
         # One table per run: its blocks, then scratch blocks past them (proposing rows only write there).
         ends = [first + len(ids) + (k - 1 if row.bonus is not None else 0) for row, first, ids in runs]
         width = max((e - 1) // self.block_size + 1 for e in ends)
@@ -166,8 +182,6 @@ class DraftModel:
             block_size=self.block_size)
         input_ids = as_tensor(np.concatenate([ids for _, _, ids in runs]).astype(np.int64))
         hidden = self.model(input_ids, as_tensor(positions), self.kv_caches, meta)
-        if not proposing:
-            return {}, {}
         last = torch.from_numpy(qsl[1:][proposing] - 1).to(dev)
         prop_rows = [runs[i][0] for i in proposing]
         ids, q = self._propose(hidden[last], table[proposing], seq_lens[proposing], prop_rows)

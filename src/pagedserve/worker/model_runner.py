@@ -188,7 +188,7 @@ class ModelRunner:
     def _run_drafter(self, step: StepInputs, out: ModelRunnerOutput) -> ModelRunnerOutput:
         # The draft model catches up on the step's verified tokens and drafts after each sampled token
         # (spec_decode/draft_model.py). Its next token sits at seq_len - drafts + accepted; rows too close
-        # to max_model_len, and every row while propose_drafts is off, only catch up.
+        # to max_model_len only catch up; while propose_drafts is off the draft runs nothing and lags.
         if self.drafter is None:
             return out
         batch = self.input_batch
@@ -197,8 +197,8 @@ class ModelRunner:
         rows = []
         for i, req_id in enumerate(step.req_ids):
             state = batch.requests[req_id]
-            start = int(step.starts[i])
-            verified = start + step.query_lens[i]
+            verified = int(step.starts[i]) + step.query_lens[i]
+            start = self.drafter.catch_up_start(req_id, int(step.starts[i]))
             row = DraftRow(req_id, batch.block_table[state.row, :batch.num_blocks[state.row]], start, verified,
                            batch.token_ids[state.row, start:verified])
             j = sampled.get(req_id)
