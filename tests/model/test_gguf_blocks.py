@@ -106,9 +106,9 @@ def test_decode_kernel_equals_dequantized_matmul(isa_name: str, qtype) -> None:
                 torch.testing.assert_close(yb.double(), wantb.bfloat16().double(), rtol=8e-3, atol=1e-5)
         # exact sums: integer-valued x and weights (scales 1) leave no rounding, so every output is exact
         ones = raw.copy().reshape(rows, cols // 32, -1)
-        ones[..., 0:2] = np.float16(1).view(np.uint8)
+        ones[..., 0:2] = np.array([1], np.float16).view(np.uint8)
         if qtype == T.Q4_1:
-            ones[..., 2:4] = np.float16(-3).view(np.uint8)
+            ones[..., 2:4] = np.array([-3], np.float16).view(np.uint8)
         exact = torch.from_numpy(ones.reshape(rows, -1))
         xi = torch.randint(-4, 5, (9, cols), generator=gen).float()
         assert torch.equal(ops.gemm_gguf(xi, exact, int(qtype), None),
