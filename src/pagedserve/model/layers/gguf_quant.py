@@ -14,10 +14,10 @@ baseline), many rows as tiles of at most TILE_BYTES of float32 weights dequantiz
 multiplied by torch's GEMM (bound by arithmetic), so no whole float32 weight ever exists.
 
 bfloat16 activations (--dtype bfloat16, what `auto` picks on CPUs with AMX) give bfloat16 outputs; gemm_gguf
-widens them to float32 once per call. On the `amx` kernel variant, Q4_1 and Q8_0 weights multiply from
-DECODE_MAX_ROWS_AMX to AMX_MAX_ROWS rows through gemm_gguf_amx (csrc/gguf_amx.cpp: blocks rebuilt into bf16
-AMX tiles: fast for many rows, but at one row rebuilding the blocks costs more than reading them). Larger
-batches dequantize tiles to bfloat16 for torch's bf16 GEMM (oneDNN, AMX where the CPU has it).
+widens them to float32 once per call. On the `amx` kernel variant, Q4_1 and Q8_0 weights multiply more than
+DECODE_MAX_ROWS_AMX and up to AMX_MAX_ROWS rows through gemm_gguf_amx (csrc/gguf_amx.cpp: blocks rebuilt
+into bf16 AMX tiles: fast for many rows, but for a few rebuilding the blocks costs more than reading them).
+Larger batches dequantize tiles to bfloat16 for torch's bf16 GEMM (oneDNN, AMX where the CPU has it).
 """
 from __future__ import annotations
 
@@ -42,8 +42,8 @@ AMX_MAX_ROWS = 512
 # gemm_gguf_amx and, for float32 x, dequantized float32 tiles + torch's GEMM (measured on the embedded
 # model's shapes, weights cold: benchmarks/README.md, "Decode block GEMM", benchmarks/gguf_gemv.py).
 DECODE_TYPES = (2, 3, 8)
-DECODE_MAX_ROWS_AMX = 8
-DECODE_MAX_ROWS = 16
+DECODE_MAX_ROWS_AMX = 4
+DECODE_MAX_ROWS = 64
 
 
 @dataclass(slots=True)
