@@ -77,6 +77,46 @@ def test_block_kernels_match_gguf_dequantize(isa_name: str, qtype, monkeypatch) 
             torch.testing.assert_close(gguf_linear(x[:m], w, bias, max_gemv_rows=8), want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("isa_name", ISAS)
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q8_0], ids=lambda t: t.name)
+def test_decode_kernel_equals_dequantized_matmul(isa_name: str, qtype) -> None:
+    # gemm_gguf on the types with a vectorized decode kernel (csrc/gguf_decode.h; the portable loop in
+    # baseline) is the dequantized float32 weight times x up to the order of the float32 sums. K = 96 (3
+    # blocks, not a multiple of 256), 23 weight rows (not a multiple of the 4 or 2 rows a tile takes), every
+    # pass of rows of x (8, 4, 3, 2, 1), x rows further apart than a row; bf16 x gives the same sums rounded
+    # once to bf16.
+    rng = np.random.default_rng(int(qtype))
+    rows, cols = 23, 96
+    raw = random_blocks(qtype, rows, cols, rng)
+    ref, w = reference(raw, qtype).double(), torch.from_numpy(raw.copy())
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(40, cols + 32, generator=gen)[:, :cols]
+    xb = x.bfloat16()
+    bias = torch.randn(rows, generator=gen)
+    with kernels.use_isa(isa_name) as ops:
+        for m in (1, 2, 3, 5, 8, 13, 17, 40):
+            for b in (None, bias):
+                want = x[:m].double() @ ref.T + (0 if b is None else b.double())
+                y = ops.gemm_gguf(x[:m], w, int(qtype), b)
+                assert y.dtype == torch.float32
+                torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=1e-5)
+                yb = ops.gemm_gguf(xb[:m], w, int(qtype), None if b is None else b.bfloat16())
+                wantb = xb[:m].double() @ ref.T + (0 if b is None else b.bfloat16().double())
+                assert yb.dtype == torch.bfloat16
+                torch.testing.assert_close(yb.double(), wantb.bfloat16().double(), rtol=8e-3, atol=1e-5)
+        # exact sums: integer-valued x and weights (scales 1) leave no rounding, so every output is exact
+        ones = raw.copy().reshape(rows, cols // 32, -1)
+        ones[..., 0:2] = np.array([1], np.float16).view(np.uint8)
+        if qtype == T.Q4_1:
+            ones[..., 2:4] = np.array([-3], np.float16).view(np.uint8)
+        exact = torch.from_numpy(ones.reshape(rows, -1))
+        xi = torch.randint(-4, 5, (9, cols), generator=gen).float()
+        assert torch.equal(ops.gemm_gguf(xi, exact, int(qtype), None),
+                           (xi.double() @ reference(ones.reshape(rows, -1), qtype).double().T).float())
+        assert torch.equal(ops.gemm_gguf(xi.bfloat16(), exact, int(qtype), None),
+                           ops.gemm_gguf(xi, exact, int(qtype), None).bfloat16())
+
+
 AMX_OPS = kernels.load_isa("amx") if "amx" in kernels.runnable_isas() and ISAS else None
 
 

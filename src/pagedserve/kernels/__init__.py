@@ -215,7 +215,8 @@ def _remove_stale_lock(path: str, max_age_s: float = 600.0) -> None:
 
 
 # Activation dtypes of the fused layer ops (rms_norm, fused_add_rms_norm_, rotary_embedding_, silu_and_mul) and
-# the attention kernel; the block GEMMs take float32 only (gemm_gguf_amx, amx variant only: bfloat16).
+# the attention kernel; gemm_gguf takes both, the older block GEMMs (gemm_q4_1, gemm_q8_0) float32 only and
+# gemm_gguf_amx (amx variant only) bfloat16 only.
 LAYER_DTYPES = (torch.float32, torch.bfloat16)
 
 

@@ -2,8 +2,9 @@
 
     gguf  (the default for GGUF files) every Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K tensor is
           copied from the file as its raw blocks, its only resident copy (model/gguf_weights.py); no fp32 form
-          is built. Up to QUANT_MAX_TOKENS rows multiply through the block GEMM; larger batches dequantize
-          tiles of at most 8 MB into a scratch buffer for torch's fp32 GEMM (layers/gguf_quant.py). The
+          is built. A few rows multiply through the block GEMM (up to 4-64 by type, dtype and kernel
+          variant); larger batches dequantize tiles of at most 8 MB into a scratch buffer for torch's GEMM
+          or multiply through the AMX kernel (layers/gguf_quant.py). The
           embedding gathers and dequantizes only the rows it reads; a tied LM head multiplies by the same
           blocks. Tensors of other GGUF types (F16, BF16, Q2_K, ...) stay fp32.
     int8  weight-only int8 for float32 / bfloat16 Hugging Face checkpoints: each weight is quantized at load

@@ -6,6 +6,7 @@
 #define PAGEDSERVE_AMX 1
 
 #include <c10/util/Exception.h>
+#include <cstdint>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -19,6 +20,17 @@ inline void require_tile_state(const char* op) {
   TORCH_CHECK(granted, op, ": the kernel refused this process the AMX tile state (arch_prctl "
               "ARCH_REQ_XCOMP_PERM); run with PAGEDSERVE_CPU_ISA=avx512 to use the kernels without AMX");
 }
+
+// ldtilecfg's memory layout (palette 1) with tiles 0-7 at their largest, 16 rows x 64 bytes; a kernel that
+// needs narrower tiles derives from it and shrinks those.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+  TileConfig() {
+    for (int t = 0; t < 8; ++t) colsb[t] = 64, rows[t] = 16;
+  }
+};
 
 }  // namespace pagedserve
 

@@ -22,12 +22,8 @@
 
 // Tiles 0-3: C, 16 x 16 float32 (S^T, or acc for 16 dims each); 4: A, 16 keys x 32 dims; 5: B, qt for 32 dims;
 // 6: A, P (16 rows x 16 keys); 7: B, vv for 16 dims (8 key pairs).
-struct alignas(64) AttentionTileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
+struct AttentionTileConfig : TileConfig {
   AttentionTileConfig() {
-    for (int t = 0; t < 8; ++t) colsb[t] = 64, rows[t] = 16;
     colsb[6] = 32;
     rows[7] = 8;
   }

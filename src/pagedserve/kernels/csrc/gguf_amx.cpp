@@ -40,14 +40,7 @@ using namespace pagedserve::gguf;
 constexpr int64_t kRowsPerPass = 32;  // weight rows per buffer: two A tiles
 
 // Tiles 0-3: C (16 x 16 float32); 4, 5: A (16 weight rows x 32 bf16); 6, 7: B (16 K-pairs x 16 x rows x 2 bf16).
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-  TileConfig() {
-    for (int t = 0; t < 8; ++t) colsb[t] = 64, rows[t] = 16;
-  }
-};
+using pagedserve::TileConfig;
 
 // One row of weights, nb blocks of 32, as bf16.
 template <int64_t T>

@@ -1,12 +1,15 @@
 // float32 matmul and dequantization over weights kept as the raw GGUF blocks of the file (gguf_blocks.h).
 //
-//   gemm_gguf(x [M, K] f32, w [N, row_bytes] u8, type, bias?) -> y [M, N] = x W^T (+ bias)
+//   gemm_gguf(x [M, K] f32 or bf16, w [N, row_bytes] u8, type, bias?) -> y [M, N] = x W^T (+ bias), x's dtype
 //   dequant_gguf(w [N, row_bytes] u8, type) -> W [N, K] f32
 //
-// gemm_gguf is the decode path (a few rows of x): bound by reading the weights, so each weight block is
-// rebuilt once into a small float buffer and multiplied into up to 8 rows of x while it sits in L1.
-// Larger batches are compute-bound; the caller dequantizes tiles of W with dequant_gguf into a scratch
-// buffer and hands them to torch's fp32 GEMM (pagedserve/model/layers/gguf_quant.py).
+// gemm_gguf is the decode path (a few rows of x): bound by reading the weights. Q4_0 / Q4_1 / Q8_0 take the
+// hand-vectorized kernel of gguf_decode.h in the avx2 / avx512 / amx builds; the other types, and every type
+// in the baseline build, rebuild each weight block once into a small float buffer and multiply it into up
+// to 8 rows of x while it sits in L1. bf16 x is widened to float32 once per call (the sums are float32
+// either way) and y is rounded to bf16 once. Larger batches are compute-bound; the caller dequantizes tiles
+// of W with dequant_gguf into a scratch buffer and hands them to torch's GEMM
+// (pagedserve/model/layers/gguf_quant.py).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -16,6 +19,7 @@
 
 #include "checks.h"
 #include "gguf_blocks.h"
+#include "gguf_decode.h"
 #include "ops_library.h"
 
 namespace {
@@ -94,21 +98,46 @@ void gguf_dequant_typed(const uint8_t* w, int64_t row_bytes, int64_t n, int64_t 
     default: TORCH_CHECK(false, "unsupported GGUF type ", type);           \
   }
 
+#if defined(PAGEDSERVE_GGUF_DECODE)
+template <int64_t T>
+void decode_typed(const decode::Args& a, int64_t m, bool bf16_out) {
+  if constexpr (decode::kFast<T>) {
+    bf16_out ? decode::gemm<T, c10::BFloat16>(a, m) : decode::gemm<T, float>(a, m);
+  }
+}
+#endif
+
 at::Tensor gemm_gguf(const at::Tensor& x, const at::Tensor& w, int64_t type, const c10::optional<at::Tensor>& bias) {
   constexpr const char* op = "gemm_gguf";
-  pagedserve::check_tensor(x, op, "x", at::kFloat, 2, pagedserve::Layout::kRows);
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, op,
+              ": x must be Float or BFloat16, got ", x.scalar_type());
+  pagedserve::check_tensor(x, op, "x", x.scalar_type(), 2, pagedserve::Layout::kRows);
   const int64_t k = features(w, type, op), n = w.size(0), m = x.size(0);
   TORCH_CHECK(x.size(1) == k, op, ": x has ", x.size(1), " features, the weight's rows hold ", k);
-  const float* bp = nullptr;
+  at::Tensor bias32;
   if (bias.has_value() && bias->defined()) {
-    pagedserve::check_tensor(*bias, op, "bias", at::kFloat, 1, pagedserve::Layout::kContiguous);
-    TORCH_CHECK(bias->size(0) == n, op, ": bias has ", bias->size(0), " entries, the weight has ", n, " rows");
-    bp = bias->data_ptr<float>();
+    TORCH_CHECK(bias->scalar_type() == x.scalar_type() || bias->scalar_type() == at::kFloat, op,
+                ": bias must be Float or x's dtype, got ", bias->scalar_type());
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, op, ": bias has ", bias->numel(), " entries, the weight has ",
+                n, " rows");
+    bias32 = bias->to(at::kFloat).contiguous();
   }
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  const at::Tensor x32 = bf16 ? x.to(at::kFloat) : x;
+  const float* bp = bias32.defined() ? bias32.data_ptr<float>() : nullptr;
   at::Tensor y = at::empty({m, n}, x.options());
   if (m == 0 || n == 0) return y;
-  GgufArgs a{x.data_ptr<float>(), x.stride(0), k, w.data_ptr<uint8_t>(), w.size(1), bp, y.data_ptr<float>(), n};
+#if defined(PAGEDSERVE_GGUF_DECODE)
+  if (type == kQ4_0 || type == kQ4_1 || type == kQ8_0) {
+    const decode::Args a{x32.data_ptr<float>(), x32.stride(0), k, w.data_ptr<uint8_t>(), n, w.size(1), bp, y.data_ptr()};
+    PAGEDSERVE_GGUF_DISPATCH(type, decode_typed, a, m, bf16)
+    return y;
+  }
+#endif
+  at::Tensor y32 = bf16 ? at::empty({m, n}, x32.options()) : y;
+  GgufArgs a{x32.data_ptr<float>(), x32.stride(0), k, w.data_ptr<uint8_t>(), w.size(1), bp, y32.data_ptr<float>(), n};
   PAGEDSERVE_GGUF_DISPATCH(type, gguf_gemm_typed, a, m, n)
+  if (bf16) y.copy_(y32);
   return y;
 }
 

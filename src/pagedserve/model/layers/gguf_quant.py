@@ -8,15 +8,16 @@ ffn_down tensors as Q6_K), so a weight is a list of row segments, one type each:
 
     GGUFWeight(qtypes=(12, 14), parts=(q|k rows as Q4_K, v rows as Q6_K), in_features=576)
 
-Every batch size goes through the blocks: up to QUANT_MAX_TOKENS rows the block GEMM (bound by reading
-the weights), above that tiles of at most TILE_BYTES of float32 weights are dequantized into a scratch
-buffer and multiplied by torch's GEMM (bound by arithmetic), so no whole float32 weight ever exists.
+Every batch size goes through the blocks: a few rows of x through the block GEMM gemm_gguf (bound by
+reading the weights; Q4_0 / Q4_1 / Q8_0 run a hand-vectorized kernel, csrc/gguf_decode.h, in every build but
+baseline), many rows as tiles of at most TILE_BYTES of float32 weights dequantized into a scratch buffer and
+multiplied by torch's GEMM (bound by arithmetic), so no whole float32 weight ever exists.
 
-bfloat16 activations (--dtype bfloat16, what `auto` picks on CPUs with AMX) give bfloat16 outputs. On the
-`amx` kernel variant, Q4_1 and Q8_0 weights multiply up to AMX_MAX_ROWS rows through gemm_gguf_amx
-(csrc/gguf_amx.cpp: blocks rebuilt into bf16 AMX tiles, 0.625 / 1.06 bytes read per weight instead of 2);
-elsewhere, and for the other types, x is widened to float32 for the block GEMM. Larger batches dequantize
-tiles to bfloat16 for torch's bf16 GEMM (oneDNN, AMX where the CPU has it).
+bfloat16 activations (--dtype bfloat16, what `auto` picks on CPUs with AMX) give bfloat16 outputs; gemm_gguf
+widens them to float32 once per call. On the `amx` kernel variant, Q4_1 and Q8_0 weights multiply more than
+DECODE_MAX_ROWS_AMX and up to AMX_MAX_ROWS rows through gemm_gguf_amx (csrc/gguf_amx.cpp: blocks rebuilt
+into bf16 AMX tiles: fast for many rows, but for a few rebuilding the blocks costs more than reading them).
+Larger batches dequantize tiles to bfloat16 for torch's bf16 GEMM (oneDNN, AMX where the CPU has it).
 """
 from __future__ import annotations
 
@@ -37,6 +38,12 @@ TILE_BYTES = 8 << 20
 # bf16 GEMM (measured: benchmarks/README.md, "AMX block GEMM").
 AMX_TYPES = (3, 8)
 AMX_MAX_ROWS = 512
+# The types gemm_gguf's vectorized decode kernel takes, and the rows of x up to which it beats, for bf16 x,
+# gemm_gguf_amx and, for float32 x, dequantized float32 tiles + torch's GEMM (measured on the embedded
+# model's shapes, weights cold: benchmarks/README.md, "Decode block GEMM", benchmarks/gguf_gemv.py).
+DECODE_TYPES = (2, 3, 8)
+DECODE_MAX_ROWS_AMX = 4
+DECODE_MAX_ROWS = 64
 
 
 @dataclass(slots=True)
@@ -115,17 +122,24 @@ def _amx_gemm(ops):
     return getattr(ops, "gemm_gguf_amx", None)
 
 
+@functools.cache
+def _has_decode_kernel(ops) -> bool:
+    # The baseline build multiplies every type with the portable loop (csrc/gguf_gemm.cpp).
+    return ops.compiled_isa() != "baseline"
+
+
 def gguf_linear(x: torch.Tensor, w: GGUFWeight, bias: torch.Tensor | None, max_gemv_rows: int) -> torch.Tensor:
-    # y = x W^T (+ bias) for float32 or bfloat16 x [M, in_features], any M; y has x's dtype.
-    ops = _ops()
+    # y = x W^T (+ bias) for float32 or bfloat16 x [M, in_features], any M; y has x's dtype. max_gemv_rows:
+    # the block GEMM's row limit for the types without a vectorized decode kernel.
+    ops, m = _ops(), x.shape[0]
     x = x.contiguous()
     amx = _amx_gemm(ops) if x.dtype == torch.bfloat16 else None
-    if amx is not None and x.shape[0] <= AMX_MAX_ROWS and all(t in AMX_TYPES for t in w.qtypes):
+    if _has_decode_kernel(ops) and all(t in DECODE_TYPES for t in w.qtypes):
+        max_gemv_rows = DECODE_MAX_ROWS_AMX if amx is not None else DECODE_MAX_ROWS
+    if m <= max_gemv_rows:
+        return _by_parts(w, bias, lambda p, t, b: ops.gemm_gguf(x, p, t, b))
+    if amx is not None and m <= AMX_MAX_ROWS and all(t in AMX_TYPES for t in w.qtypes):
         return _by_parts(w, bias, lambda p, t, b: amx(x, p, t, b))
-    if x.shape[0] <= max_gemv_rows:
-        x32 = x.float()
-        y = _by_parts(w, None if bias is None else bias.float(), lambda p, t, b: ops.gemm_gguf(x32, p, t, b))
-        return y.to(x.dtype)
     tile_rows = max(16, TILE_BYTES // (4 * w.in_features))
     if w.out_features <= tile_rows:
         y = x @ gguf_dequantize(w).to(x.dtype).t()

@@ -1,0 +1,98 @@
+"""Decode block GEMM (kernels/csrc/gguf_decode.h) against the other paths over GGUF blocks, per rows of x.
+
+    python benchmarks/gguf_gemv.py                         # rows 1,2,4,8,16,32,64; 2 threads; 5 rounds
+    python benchmarks/gguf_gemv.py --rows 1,16 --threads 1
+
+The embedded model's shapes (SmolLM2-135M: hidden 576, intermediate 1536, vocab 49152; Q4_1 layers, the tied
+LM head Q8_0) with random blocks. Weights are cold as in a decode step: every call takes the next of copies
+spanning about the model's size (96 MB), so a weight is evicted from L2 before it is read again. Prints
+microseconds per call, the median over rounds that interleave the paths:
+  gemv bf16   gemm_gguf on bf16 x (bf16 out): what `--dtype auto` runs for few rows
+  amx bf16    gemm_gguf_amx (amx variant only): bf16 tiles, the bf16 path for more rows
+  gemv f32    gemm_gguf on float32 x
+  tiles f32   float32 tiles dequantized per call + torch's GEMM: the float32 path for many rows
+Run with another checkout's interpreter to time its gemm_gguf (paths it lacks are left out).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import quantize
+
+from pagedserve import kernels
+from pagedserve.model.layers.gguf_quant import GGUFWeight, gguf_dequantize
+
+SHAPES = [("qkv_proj", 960, 576, GGMLQuantizationType.Q4_1), ("o_proj", 576, 576, GGMLQuantizationType.Q4_1),
+          ("gate_up_proj", 3072, 576, GGMLQuantizationType.Q4_1), ("down_proj", 576, 1536, GGMLQuantizationType.Q4_1),
+          ("lm_head", 49152, 576, GGMLQuantizationType.Q8_0)]
+SPAN_BYTES = 96 << 20
+
+
+def copies(rows: int, cols: int, qtype) -> list[torch.Tensor]:
+    raw = torch.from_numpy(quantize(np.random.default_rng(0).standard_normal((rows, cols)).astype(np.float32) * 0.1,
+                                    qtype))
+    return [raw.clone() for _ in range(max(2, SPAN_BYTES // raw.numel()))]
+
+
+def paths(ops, qtype: int, cols: int):
+    # name -> fn((x float32, x bf16), w); a path this build lacks is left out.
+    out = {}
+    try:
+        ops.gemm_gguf(torch.zeros(1, 32).bfloat16(), torch.zeros(1, 20, dtype=torch.uint8), 3, None)
+        out["gemv bf16"] = lambda x, w: ops.gemm_gguf(x[1], w, qtype, None)
+    except RuntimeError:
+        pass
+    if hasattr(ops, "gemm_gguf_amx"):
+        out["amx bf16"] = lambda x, w: ops.gemm_gguf_amx(x[1], w, qtype, None)
+    out["gemv f32"] = lambda x, w: ops.gemm_gguf(x[0], w, qtype, None)
+    out["tiles f32"] = lambda x, w: x[0] @ gguf_dequantize(GGUFWeight((qtype,), (w,), cols)).t()
+    return out
+
+
+def time_path(fn, x: tuple[torch.Tensor, torch.Tensor], ws: list[torch.Tensor], start: int, budget_s: float = 0.03) -> tuple[float, int]:
+    # Microseconds per call over consecutive copies from `start`; returns (us, next start).
+    calls, t0 = 0, time.perf_counter()
+    while True:
+        fn(x, ws[(start + calls) % len(ws)])
+        calls += 1
+        elapsed = time.perf_counter() - t0
+        if elapsed >= budget_s and calls >= 3:
+            return elapsed / calls * 1e6, start + calls
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", default="1,2,4,8,16,32,64")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--shapes", default=",".join(s[0] for s in SHAPES))
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    ops = kernels.load()
+    print(f"variant {kernels.selected_isa()}, {args.threads} threads; us per call, median of {args.rounds} rounds")
+    for name, rows, cols, qtype in SHAPES:
+        if name not in args.shapes.split(","):
+            continue
+        ws = copies(rows, cols, qtype)
+        fns = paths(ops, int(qtype), cols)
+        print(f"\n{name} [{rows} x {cols}] {qtype.name}, {len(ws)} copies")
+        print("rows " + "".join(f"{p:>12}" for p in fns))
+        for m in (int(r) for r in args.rows.split(",")):
+            x = torch.randn(m, cols)
+            x = (x, x.bfloat16())
+            times: dict[str, list[float]] = {p: [] for p in fns}
+            pos = 0
+            for _ in range(args.rounds):
+                for p, fn in fns.items():
+                    us, pos = time_path(fn, x, ws, pos)
+                    times[p].append(us)
+            print(f"{m:>4} " + "".join(f"{statistics.median(t):>12.1f}" for t in times.values()), flush=True)
+
+
+if __name__ == "__main__":
+    main()
