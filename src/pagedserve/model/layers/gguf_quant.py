@@ -134,11 +134,12 @@ def gguf_linear(x: torch.Tensor, w: GGUFWeight, bias: torch.Tensor | None, max_g
     ops, m = _ops(), x.shape[0]
     x = x.contiguous()
     amx = _amx_gemm(ops) if x.dtype == torch.bfloat16 else None
+    amx_takes = amx is not None and all(t in AMX_TYPES for t in w.qtypes)
     if _has_decode_kernel(ops) and all(t in DECODE_TYPES for t in w.qtypes):
-        max_gemv_rows = DECODE_MAX_ROWS_AMX if amx is not None else DECODE_MAX_ROWS
+        max_gemv_rows = DECODE_MAX_ROWS_AMX if amx_takes else DECODE_MAX_ROWS
     if m <= max_gemv_rows:
         return _by_parts(w, bias, lambda p, t, b: ops.gemm_gguf(x, p, t, b))
-    if amx is not None and m <= AMX_MAX_ROWS and all(t in AMX_TYPES for t in w.qtypes):
+    if amx_takes and m <= AMX_MAX_ROWS:
         return _by_parts(w, bias, lambda p, t, b: amx(x, p, t, b))
     tile_rows = max(16, TILE_BYTES // (4 * w.in_features))
     if w.out_features <= tile_rows:
