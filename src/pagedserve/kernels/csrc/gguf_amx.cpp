@@ -18,7 +18,9 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#include "amx_state.h"
+
+#if defined(PAGEDSERVE_AMX)
 
 #include <immintrin.h>
 
@@ -28,7 +30,6 @@
 #include <type_traits>
 #include <vector>
 
-#include "amx_state.h"
 #include "checks.h"
 #include "gguf_blocks.h"
 #include "ops_library.h"
@@ -207,4 +208,4 @@ PAGEDSERVE_LIBRARY_FRAGMENT(m) {
   m.impl("gemm_gguf_amx", c10::DispatchKey::CPU, gemm_gguf_amx);
 }
 
-#endif  // AMX
+#endif  // PAGEDSERVE_AMX
