@@ -20,3 +20,35 @@ def embedded_model():
     from pagedserve.model.loader import load_model
 
     return load_model(None, device="cpu", dtype=torch.float32)
+
+
+# Numerical differences the tests measured (name -> value), printed after the run with this CPU's model and the
+# kernel variant it ran: the same code lands on different CPUs (AVX2 EPYC, AVX-512/AMX Xeon) and a bound that
+# holds on one may be near its edge on another. A test records with `numerics[name] = value`.
+NUMERICS: dict[str, float] = {}
+
+
+@pytest.fixture(scope="session")
+def numerics() -> dict[str, float]:
+    return NUMERICS
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if not NUMERICS:
+        return
+    import platform
+
+    from pagedserve import kernels
+
+    from pagedserve.kernels import isa
+
+    model = platform.processor()
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
+    flags = " ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in isa.cpu_flags())
+    from pagedserve.model.layers.linear import onednn_keeps_fp32
+
+    variant = kernels.selected_isa()
+    terminalreporter.write_line(f"numerics on {model!r} ({flags}, {os.cpu_count()} cpus), kernels {variant}, oneDNN fp32 {onednn_keeps_fp32()}: "
+                                + ", ".join(f"{k}={v:.3g}" for k, v in sorted(NUMERICS.items())))

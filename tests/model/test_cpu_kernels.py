@@ -133,6 +133,30 @@ def test_packed_linear(bias: bool) -> None:
         torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
 
 
+def test_linear_stays_float32_when_onednn_would_round() -> None:
+    # ONEDNN_DEFAULT_FPMATH_MODE=BF16 makes oneDNN round float32 inputs to bf16 where the CPU has bf16 (logits
+    # of the embedded model move by ~0.5). The startup probe then keeps float32 linears off the packed path;
+    # on CPUs without bf16 oneDNN ignores the mode and the packed path stays. Either way: float32 results.
+    code = ("import torch, torch.nn.functional as F\n"
+            "from pagedserve.model.layers.linear import Linear, onednn_keeps_fp32\n"
+            "g = torch.Generator().manual_seed(0)\n"
+            "layer = Linear(576, 960, bias=False)\n"
+            "with torch.no_grad(): layer.weight.copy_(torch.randn(960, 576, generator=g))\n"
+            "layer.pack()\n"
+            "x = torch.randn(64, 576, generator=g)\n"
+            "exact = (x.double() @ layer.weight.double().T)\n"
+            "err = ((layer(x).double() - exact).abs().max() / exact.abs().max()).item()\n"
+            "print(onednn_keeps_fp32(), layer.packed_weight is None, err)\n")
+    env = {**os.environ, "ONEDNN_DEFAULT_FPMATH_MODE": "BF16"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    keeps, unpacked, err = out.stdout.split()
+    assert float(err) < 1e-5, out.stdout
+    assert (keeps == "True") != (unpacked == "True"), out.stdout  # the probe decides the path
+    if keeps == "False":
+        assert "rounds through a lower precision" in out.stderr
+
+
 def _q4_1_weights(n: int, k: int, seed: int = 0) -> torch.Tensor:
     # fp32 weights the way a GGUF Q4_1 file yields them: per block of 32, fp16 d and m, w = d * q + m.
     gen = torch.Generator().manual_seed(seed)

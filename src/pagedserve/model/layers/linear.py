@@ -13,6 +13,9 @@ dtypes and builds without oneDNN or the compiled kernels keep F.linear; GGUF blo
 """
 from __future__ import annotations
 
+import functools
+import logging
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -21,10 +24,35 @@ from pagedserve import kernels
 from pagedserve.model.layers.gguf_quant import gguf_linear
 from pagedserve.model.layers.quant import dequantize_blocks
 
+logger = logging.getLogger(__name__)
+
 
 def onednn_available() -> bool:
     return (kernels.fast_paths_enabled() and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise") and onednn_keeps_fp32())
+
+
+# The packed path is taken only where oneDNN's float32 linear is float32: an environment can make oneDNN round
+# inputs to bf16/f16 (ONEDNN_DEFAULT_FPMATH_MODE, torch's fp32_precision), which moves the embedded model's
+# logits by 0.07-0.5 instead of ~1e-4. One probe per process, against float64.
+FP32_PROBE_REL_ERROR = 1e-4
+
+
+@functools.cache
+def onednn_keeps_fp32() -> bool:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(32, 576, generator=gen)
+    w = torch.randn(384, 576, generator=gen)
+    with torch.no_grad():
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
+        got = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    exact = x.double() @ w.double().T
+    error = ((got.double() - exact).abs().max() / exact.abs().max()).item()
+    if error > FP32_PROBE_REL_ERROR:
+        logger.warning("oneDNN's float32 linear rounds through a lower precision here (relative error %.1e; "
+                       "ONEDNN_DEFAULT_FPMATH_MODE?): float32 linears use torch's F.linear instead", error)
+        return False
+    return True
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
