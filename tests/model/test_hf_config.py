@@ -93,14 +93,17 @@ def test_embedded_tokenizer_and_chat_template_unchanged(embedded_model) -> None:
             expected.apply_chat_template(messages, tokenize=False, **kwargs), kwargs
 
 
-def test_serving_load_does_not_import_transformers_config_classes(embedded_model) -> None:
-    # With the config cached (the embedded_model fixture resolved it), reading it and loading the tokenizer
-    # imports neither the architecture's config module nor the modeling stack behind it (sympy, accelerate).
+@pytest.mark.parametrize("cache", ["warm", "empty"])
+def test_serving_load_does_not_import_transformers_config_classes(embedded_model, tmp_path, cache: str) -> None:
+    # Reading the config and loading the tokenizer imports neither the architecture's config module nor the
+    # modeling stack behind it (sympy, accelerate): with the config cached (the embedded_model fixture
+    # resolved it), and on a first start, where a child process converts the GGUF file and resolves them.
     code = ("import sys; from pagedserve.model.loader import load_tokenizer, read_config, resolve_model_dir; "
             "d = resolve_model_dir(None, weights=False)[0]; load_tokenizer(d, read_config(d)); "
             "print(sorted(m for m in sys.modules if m.startswith(('transformers.models.llama', 'sympy', "
             "'accelerate'))))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=os.environ)
+    env = {**os.environ, **({"PAGEDSERVE_CACHE_DIR": str(tmp_path)} if cache == "empty" else {})}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
 

@@ -5,8 +5,10 @@ modeling stack (activations, accelerate, sympy): about 60 MB of resident memory 
 few dozen numbers (issue 11, benchmarks/README.md "memory.py"). The numbers themselves still come from
 transformers, once: the first read of a config.json resolves it with AutoConfig (each architecture's
 defaults, renamed and derived fields such as rope_parameters or layer_types) and stores `to_dict()` under
-the cache; later reads load that JSON into an `HFConfig`. The cache key is the file's bytes and the installed
-transformers version, so an edited config.json or a transformers upgrade resolves again.
+the cache; later reads load that JSON into an `HFConfig`. That first read runs AutoConfig in a child process
+(pagedserve/model_metadata.py), so not even a server's first start keeps the modeling stack. The cache key
+is the file's bytes and the installed transformers version, so an edited config.json or a transformers
+upgrade resolves again.
 
     $PAGEDSERVE_CACHE_DIR/configs/<sha256(config.json, transformers version)[:16]>.json
 
@@ -25,7 +27,7 @@ import tempfile
 from importlib import metadata
 from types import SimpleNamespace
 
-from pagedserve import envs
+from pagedserve import envs, model_metadata
 
 logger = logging.getLogger(__name__)
 
@@ -71,11 +73,10 @@ def as_transformers_config(hf_config):
 
 
 def _resolve_with_transformers(path: str) -> dict:
-    from transformers import AutoConfig
-
+    # In a child process (pagedserve/model_metadata.py): the config classes it imports would stay in this one.
     try:
-        return AutoConfig.from_pretrained(path).to_dict()
-    except Exception as e:  # noqa: BLE001 - transformers raises many types for bad configs
+        return json.loads(model_metadata.run("config", path).splitlines()[-1])
+    except ValueError as e:
         raise ValueError(f"cannot read config.json in {path}: {e}") from e
 
 

@@ -13,7 +13,8 @@ its weights take one of two roads:
 
 The directory is built under a temporary name and renamed into place, and model.safetensors is written to a
 temporary file and renamed, so each exists complete or not at all. Config and tokenizer come from
-transformers' own GGUF support. Loading reads config.json as a plain object (model/hf_config.py) and the
+transformers' own GGUF support, run in a child process (pagedserve/model_metadata.py) so that the serving
+process never holds it. Loading reads config.json as a plain object (model/hf_config.py) and the
 tokenizer with transformers' tokenizer classes only: its config classes are not imported on this path.
 """
 from __future__ import annotations
@@ -33,7 +34,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from pagedserve import envs
+from pagedserve import envs, model_metadata
 from pagedserve.attention.backend import get_attention_backend
 from pagedserve.malloc import release_free_memory
 from pagedserve.model.gguf_file import open_gguf_file
@@ -241,13 +242,14 @@ def _max_model_len(hf_config) -> int:
 def _convert_gguf(path: str, cache_dir: str, weights: bool = True) -> None:
     # The cache directory's metadata (config, tokenizer) appears in one rename; the float32 weights (only
     # the `none` path and tensor parallelism read them) are added once, by another rename, when asked for.
-    reader = _open_gguf(path)
-    arch = _gguf_arch(reader, path)
     if not os.path.isfile(os.path.join(cache_dir, "config.json")):
+        _open_gguf_file(path)  # a corrupt file or another architecture fails here, before the child starts
         _write_gguf_metadata(path, cache_dir)
     if weights and not os.path.isfile(os.path.join(cache_dir, "model.safetensors")):
         from safetensors.torch import save_file
 
+        reader = _open_gguf(path)
+        arch = _gguf_arch(reader, path)
         logger.info("dequantizing %s into %s (one-time; later loads read the cache)", path, cache_dir)
         state = _gguf_state_dict(reader, arch, read_config(cache_dir), path)
         fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".safetensors", dir=cache_dir)
@@ -261,22 +263,21 @@ def _convert_gguf(path: str, cache_dir: str, weights: bool = True) -> None:
 
 
 def _write_gguf_metadata(path: str, cache_dir: str) -> None:
-    from transformers import AutoConfig, AutoTokenizer
-
     logger.info("reading the config and tokenizer of %s into %s (one-time)", path, cache_dir)
-    folder, file = os.path.split(path)
-    try:
-        hf_config = AutoConfig.from_pretrained(folder, gguf_file=file)
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file)
-    except Exception as e:  # noqa: BLE001
-        raise ValueError(f"cannot read config/tokenizer metadata from GGUF {path}: {e}") from e
-    # GGUF-derived configs carry no `architectures`; record it so the cache is a complete HF directory.
-    hf_config.architectures = [resolve_architecture(hf_config)]
     os.makedirs(os.path.dirname(cache_dir), exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".tmp-", dir=os.path.dirname(cache_dir))
     try:
-        hf_config.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+        try:  # transformers' GGUF readers run in a child process (pagedserve/model_metadata.py says why)
+            model_metadata.run("gguf", path, tmp)
+        except ValueError as e:
+            raise ValueError(f"cannot read config/tokenizer metadata from GGUF {path}: {e}") from e
+        # GGUF-derived configs carry no `architectures`; record it so the cache is a complete HF directory.
+        config_file = os.path.join(tmp, "config.json")
+        with open(config_file, encoding="utf-8") as f:
+            config = json.load(f)
+        config["architectures"] = [resolve_architecture(HFConfig(**config))]
+        with open(config_file, "w", encoding="utf-8") as f:
+            f.write(json.dumps(config, indent=2, sort_keys=True) + "\n")  # as transformers' save_pretrained
         with open(os.path.join(tmp, "source.json"), "w") as f:
             json.dump({"gguf": path, "size": os.path.getsize(path)}, f)
         if os.path.isdir(cache_dir):  # incomplete leftover from an older layout or a manual edit
@@ -315,11 +316,16 @@ def _check_arch(arch, path: str) -> str:
     return arch
 
 
-def _load_gguf_blocks(model, path: str, hf_config) -> None:
-    # --quantization gguf: the file's blocks straight into the model (model/gguf_weights.py).
+def _open_gguf_file(path: str):
+    # The tensor table and scalar metadata (model/gguf_file.py, not gguf-py), of an architecture we serve.
     gguf = open_gguf_file(path)
     _check_arch(gguf.fields.get("general.architecture"), path)
-    load_gguf_blocks(model, gguf, hf_config)
+    return gguf
+
+
+def _load_gguf_blocks(model, path: str, hf_config) -> None:
+    # --quantization gguf: the file's blocks straight into the model (model/gguf_weights.py).
+    load_gguf_blocks(model, _open_gguf_file(path), hf_config)
 
 
 __all__ = ["LoadedModel", "default_model_path", "load_model", "load_tokenizer", "read_config", "resolve_model_dir",
