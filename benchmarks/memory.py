@@ -10,9 +10,13 @@ Two measurements, each in a fresh process:
   server  the real `pagedserve serve --kv-cache-memory 100000000` after /health answers, then after a few
           completion requests (the number issue 11 sets the target for).
 
-    python benchmarks/memory.py [--model PATH] [--dtype float32|auto|bfloat16] [--out benchmarks/results/memory.json]
+    python benchmarks/memory.py [--model PATH] [--dtype float32|auto|bfloat16] [--server-only]
+                                [--out benchmarks/results/memory.json]
 
 --dtype is the server's --dtype (auto: what this CPU resolves it to); the stage process uses the same dtype.
+--server-only skips the stage process, which would otherwise fill the cache ($PAGEDSERVE_CACHE_DIR: the
+converted GGUF metadata, resolved configs) before the server starts: with those entries removed, the server
+measures a first start.
 """
 from __future__ import annotations
 
@@ -129,6 +133,7 @@ def main() -> None:
     p.add_argument("--model", default=None, help="GGUF file or HF directory (default: the embedded model)")
     p.add_argument("--dtype", default="float32", help="the server's --dtype (default float32)")
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "memory.json"))
+    p.add_argument("--server-only", action="store_true", help="measure the server alone (see above)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
@@ -136,7 +141,8 @@ def main() -> None:
         return
     child = [sys.executable, os.path.abspath(__file__), "--child", "--dtype", args.dtype]
     child += ["--model", args.model] if args.model else []
-    stages = json.loads(subprocess.run(child, check=True, capture_output=True, text=True).stdout.splitlines()[-1])
+    stages = [] if args.server_only else json.loads(
+        subprocess.run(child, check=True, capture_output=True, text=True).stdout.splitlines()[-1])
     server = measure_server(args.model, args.dtype)
     result = {"machine": machine_info(), "dtype": args.dtype,
               "env": {k: os.environ.get(k) for k in ("MALLOC_ARENA_MAX",)}, "stages_mb": stages, "server_mb": server}
