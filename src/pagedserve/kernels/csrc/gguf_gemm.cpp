@@ -127,16 +127,19 @@ at::Tensor gemm_gguf(const at::Tensor& x, const at::Tensor& w, int64_t type, con
   const float* bp = bias32.defined() ? bias32.data_ptr<float>() : nullptr;
   at::Tensor y = at::empty({m, n}, x.options());
   if (m == 0 || n == 0) return y;
-  // bf16 x widened once per call into a plain buffer: a few rows, cheaper than a tensor conversion op
+  // bf16 x widened once per call into a plain buffer: a few rows, cheaper than a tensor conversion op.
+  // 64-byte aligned (rows of k = 32 * blocks floats stay aligned): x loads that split cache lines made
+  // 8 rows of x 1.1-1.4x slower.
   std::vector<float> widened;
   const float* xp = bf16 ? nullptr : x.data_ptr<float>();
   int64_t x_stride = x.stride(0);
   if (bf16) {
-    widened.resize(m * k);
+    widened.resize(m * k + 15);
+    float* xw = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(widened.data()) + 63) & ~uintptr_t{63});
     const c10::BFloat16* xb = x.data_ptr<c10::BFloat16>();
     for (int64_t r = 0; r < m; ++r)
-      for (int64_t j = 0; j < k; ++j) widened[r * k + j] = static_cast<float>(xb[r * x_stride + j]);
-    xp = widened.data(), x_stride = k;
+      for (int64_t j = 0; j < k; ++j) xw[r * k + j] = static_cast<float>(xb[r * x_stride + j]);
+    xp = xw, x_stride = k;
   }
 #if defined(PAGEDSERVE_GGUF_DECODE)
   if (type == kQ4_0 || type == kQ4_1 || type == kQ8_0) {
