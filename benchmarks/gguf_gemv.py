@@ -2,6 +2,7 @@
 
     python benchmarks/gguf_gemv.py                         # rows 1,2,4,8,16,32,64; 2 threads; 5 rounds
     python benchmarks/gguf_gemv.py --rows 1,16 --threads 1
+    python benchmarks/gguf_gemv.py --rows 1,2,4,8 --out benchmarks/results/gguf_gemv.json
 
 The embedded model's shapes (SmolLM2-135M: hidden 576, intermediate 1536, vocab 49152; Q4_1 layers, the tied
 LM head Q8_0) with random blocks. Weights are cold as in a decode step: every call takes the next of copies
@@ -11,12 +12,16 @@ microseconds per call, the median over rounds that interleave the paths:
   amx bf16    gemm_gguf_amx (amx variant only): bf16 tiles, the bf16 path for more rows
   gemv f32    gemm_gguf on float32 x
   tiles f32   float32 tiles dequantized per call + torch's GEMM: the float32 path for many rows
-Run with another checkout's interpreter to time its gemm_gguf (paths it lacks are left out).
+Run with another checkout's interpreter to time its gemm_gguf (paths it lacks are left out). --out also
+writes the table as JSON, with the load average before and after (the machine may be shared).
 """
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
+import sys
 import time
 
 import numpy as np
@@ -71,10 +76,15 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--shapes", default=",".join(s[0] for s in SHAPES))
+    ap.add_argument("--out", help="also write the results as JSON here")
     args = ap.parse_args()
+    result = {"command": " ".join(sys.argv), "started_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
+              "load_avg_before": os.getloadavg(), "threads": args.threads, "rounds": args.rounds, "unit": "us per call",
+              "shapes": {}}
     torch.set_num_threads(args.threads)
     ops = kernels.load()
-    print(f"variant {kernels.selected_isa()}, {args.threads} threads; us per call, median of {args.rounds} rounds")
+    result["variant"], result["kernels"] = kernels.selected_isa(), os.path.dirname(kernels.__file__)
+    print(f"variant {result['variant']}, {args.threads} threads; us per call, median of {args.rounds} rounds")
     for name, rows, cols, qtype in SHAPES:
         if name not in args.shapes.split(","):
             continue
@@ -82,6 +92,7 @@ def main() -> None:
         fns = paths(ops, int(qtype), cols)
         print(f"\n{name} [{rows} x {cols}] {qtype.name}, {len(ws)} copies")
         print("rows " + "".join(f"{p:>12}" for p in fns))
+        table = result["shapes"][name] = {"rows": rows, "cols": cols, "type": qtype.name, "us": {}}
         for m in (int(r) for r in args.rows.split(",")):
             x = torch.randn(m, cols)
             x = (x, x.bfloat16())
@@ -91,7 +102,12 @@ def main() -> None:
                 for p, fn in fns.items():
                     us, pos = time_path(fn, x, ws, pos)
                     times[p].append(us)
-            print(f"{m:>4} " + "".join(f"{statistics.median(t):>12.1f}" for t in times.values()), flush=True)
+            table["us"][m] = {p: round(statistics.median(t), 1) for p, t in times.items()}
+            print(f"{m:>4} " + "".join(f"{us:>12.1f}" for us in table["us"][m].values()), flush=True)
+    result["load_avg_after"] = os.getloadavg()
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
 
 
 if __name__ == "__main__":
