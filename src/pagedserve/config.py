@@ -16,12 +16,13 @@ logger = logging.getLogger(__name__)
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("gguf", "int8", "none")
 ATTENTION_BACKENDS = ("auto", "reference", "cpu")
-# The default per-step token budget (vLLM's for CPU servers); without chunked prefill a whole prompt must fit one
-# step, so the default grows to max_model_len there (as vLLM). Measured on an AMX Xeon, bf16, 2 threads, a burst
-# of 16 prompts (5,258 tokens) prefills at 2,883 tok/s with 2048, 2,038 with 1024, 1,799 with 512: above 512 rows
-# the GGUF blocks go to oneDNN's AMX GEMM on dequantized tiles (layers/gguf_quant.py). Float32 is flat from 256
-# to 2048 (benchmarks/README.md). The price is a longer step for the decodes sharing it.
-CHUNKED_PREFILL_BATCHED_TOKENS = 2048
+# The default per-step token budget; without chunked prefill a whole prompt must fit one step, so the default
+# grows to max_model_len there (as vLLM). vLLM's CPU servers take 2048; here 512 serves better on an AMX Xeon
+# (bf16, 2 threads, benchmarks/README.md "Token budget"): 16 streams over HTTP, two runs in swapped order, 512
+# gave 1.13x and 1.15x the output tokens/s of 2048 (TPOT p50 0.87-0.89x: decodes share shorter steps). An
+# offline burst alone prefills 1.9x faster with 2048 (above 512 rows the GGUF blocks go to oneDNN's AMX GEMM
+# on dequantized tiles): batch jobs may want --max-num-batched-tokens 2048.
+CHUNKED_PREFILL_BATCHED_TOKENS = 512
 
 
 def json_object(value: object, what: str) -> dict:
