@@ -23,6 +23,10 @@ ATTENTION_BACKENDS = ("auto", "reference", "cpu")
 # offline burst alone prefills 1.9x faster with 2048 (above 512 rows the GGUF blocks go to oneDNN's AMX GEMM
 # on dequantized tiles): batch jobs may want --max-num-batched-tokens 2048.
 CHUNKED_PREFILL_BATCHED_TOKENS = 512
+# The offline LLM's default (vLLM too gives its LLM class a larger budget than its server): nobody waits on a
+# token there, and the 64-request offline workload ran 358 output tok/s with 2048 against 279 with 512 (same
+# machine, benchmarks/README.md "Token budget").
+OFFLINE_BATCHED_TOKENS = 2048
 
 
 def json_object(value: object, what: str) -> dict:

@@ -7,6 +7,7 @@ from typing import Any, Sequence
 
 from tqdm.auto import tqdm
 
+from pagedserve.config import OFFLINE_BATCHED_TOKENS
 from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.llm_engine import LLMEngine, RequestFailedError
 from pagedserve.engine.processor import PromptInput
@@ -18,7 +19,10 @@ logger = logging.getLogger(__name__)
 
 class LLM:
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
-        # kwargs are EngineArgs fields; an unknown one is a TypeError naming it.
+        # kwargs are EngineArgs fields; an unknown one is a TypeError naming it. With chunked prefill the default
+        # token budget is the offline one (config.OFFLINE_BATCHED_TOKENS); without, the engine sizes it.
+        if kwargs.get("enable_chunked_prefill", True) and kwargs.get("max_num_batched_tokens") is None:
+            kwargs["max_num_batched_tokens"] = OFFLINE_BATCHED_TOKENS
         self.llm_engine = LLMEngine(EngineArgs(model=model, **kwargs).create_engine_config())
         self._thread_id = threading.get_ident()
         self._warned_thread = False

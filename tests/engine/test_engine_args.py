@@ -121,3 +121,16 @@ def test_envs_are_read_at_call_time(monkeypatch, tmp_path):
     monkeypatch.delenv("PAGEDSERVE_CACHE_DIR")
     monkeypatch.setenv("PAGEDSERVE_KERNELS", "1")
     assert envs.cache_dir().endswith("pagedserve") and envs.kernels_enabled()
+
+
+def test_offline_llm_takes_the_larger_budget_the_server_the_smaller():
+    from pagedserve import LLM
+    from pagedserve.config import OFFLINE_BATCHED_TOKENS
+
+    budget = lambda llm: llm.llm_engine.core.config.scheduler.max_num_batched_tokens  # noqa: E731
+    assert budget(LLM(num_gpu_blocks_override=256)) == OFFLINE_BATCHED_TOKENS != CHUNKED_PREFILL_BATCHED_TOKENS
+    assert budget(LLM(num_gpu_blocks_override=256, max_num_batched_tokens=300)) == 300
+    unchunked = LLM(num_gpu_blocks_override=256, enable_chunked_prefill=False)  # sized to the context instead
+    assert budget(unchunked) == unchunked.llm_engine.core.config.model.max_model_len == 256 * 16
+    # The server's engine args (EngineArgs, as `pagedserve serve` builds them) keep the serving default.
+    assert resolve_limits(_config(), 8192, 1000).scheduler.max_num_batched_tokens == CHUNKED_PREFILL_BATCHED_TOKENS
