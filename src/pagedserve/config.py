@@ -24,8 +24,9 @@ ATTENTION_BACKENDS = ("auto", "reference", "cpu")
 # on dequantized tiles): batch jobs may want --max-num-batched-tokens 2048.
 CHUNKED_PREFILL_BATCHED_TOKENS = 512
 # The offline LLM's default (vLLM too gives its LLM class a larger budget than its server): nobody waits on a
-# token there, and the 64-request offline workload ran 358 output tok/s with 2048 against 279 with 512 (same
-# machine, benchmarks/README.md "Token budget").
+# token there, and a burst of 16 prompts prefilled 1.9x faster with 2048 than with 512 (interleaved rounds,
+# benchmarks/token_budget.py); the 64-request offline workload measured 358 vs 279 and 297 vs 293 output tok/s
+# in two pairs of runs (benchmarks/README.md "Token budget").
 OFFLINE_BATCHED_TOKENS = 2048
 
 
