@@ -36,19 +36,15 @@ def numerics() -> dict[str, float]:
 def pytest_terminal_summary(terminalreporter) -> None:
     if not NUMERICS:
         return
-    import platform
-
     from pagedserve import kernels
-
     from pagedserve.kernels import isa
+    from pagedserve.model.layers.linear import onednn_keeps_fp32
 
-    model = platform.processor()
+    model = "unknown CPU"
     if os.path.exists("/proc/cpuinfo"):
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
     flags = " ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in isa.cpu_flags())
-    from pagedserve.model.layers.linear import onednn_keeps_fp32
-
-    variant = kernels.selected_isa()
-    terminalreporter.write_line(f"numerics on {model!r} ({flags}, {os.cpu_count()} cpus), kernels {variant}, oneDNN fp32 {onednn_keeps_fp32()}: "
+    terminalreporter.write_line(f"numerics on {model!r} ({flags}, {os.cpu_count()} cpus), kernels "
+                                f"{kernels.selected_isa()}, oneDNN fp32 {onednn_keeps_fp32()}: "
                                 + ", ".join(f"{k}={v:.3g}" for k, v in sorted(NUMERICS.items())))
