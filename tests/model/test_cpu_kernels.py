@@ -312,3 +312,26 @@ def test_built_library_loads_without_cpp_extension() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=os.environ)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["False", kernels.selected_isa()]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_rows_picks_torchs_index(variant_ops, dtype) -> None:
+    # Greedy sampling's argmax (sample/sampler.py): the first maximum, the first NaN if any, 0 for all -inf.
+    gen = torch.Generator().manual_seed(11)
+    logits = (torch.randn(9, 1003, generator=gen) * 8).to(dtype)
+    logits[1, 17] = logits[1, 500] = logits[1, 1002] = 1e4  # ties: the first one
+    logits[2, :] = -float("inf")
+    logits[3, 40] = float("nan")
+    logits[3, 900] = float("nan")
+    logits[3, 7] = 1e4
+    logits[4, :] = 3.0  # all equal
+    logits[5, 1002] = float("inf")
+    logits[6, 0] = 1e4
+    wide = torch.zeros(9, 1100, dtype=dtype)
+    wide[:, :1003] = logits
+    for x in (logits, wide[:, :1003]):  # rows at the vocab size, and rows further apart
+        got = variant_ops.argmax_rows(x)
+        assert got.dtype == torch.int64
+        assert got.tolist() == x.argmax(dim=-1).tolist() == [got[0].item(), 17, 0, 40, 0, 1002, 0, *got[7:].tolist()]
+    with pytest.raises(RuntimeError, match="Float or BFloat16"):
+        variant_ops.argmax_rows(torch.zeros(2, 3, dtype=torch.float16))

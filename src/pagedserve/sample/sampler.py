@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagedserve import kernels
 from pagedserve.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")
@@ -177,15 +178,22 @@ class SamplerOutput:
     top_logprobs: list[list[tuple[int, float]]] | None = None  # (token id, logprob), most likely first
 
 
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    # logits.argmax(dim=-1); on CPU through the compiled kernel, which picks the same index (first maximum,
+    # NaN first) about 10x faster than torch's (kernels/csrc/sampling_ops.cpp).
+    ops = kernels.ops_for(logits, kernels.LAYER_DTYPES) if logits.dim() == 2 and logits.stride(-1) == 1 else None
+    return logits.argmax(dim=-1) if ops is None else ops.argmax_rows(logits)
+
+
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     assert logits.shape == (batch.num_rows, batch.vocab_size), (tuple(logits.shape), batch.vocab_size)
     if batch.no_processing:
-        return SamplerOutput(sampled_token_ids=logits.argmax(dim=-1).tolist())
+        return SamplerOutput(sampled_token_ids=greedy(logits).tolist())
 
     raw_logprobs = logits.float().log_softmax(dim=-1) if batch.max_num_logprobs is not None else None
     logits = apply_logits_processors(logits, batch)
 
-    greedy_ids = None if batch.all_random else logits.argmax(dim=-1)
+    greedy_ids = None if batch.all_random else greedy(logits)
     if batch.all_greedy:
         token_ids = greedy_ids
     else:
