@@ -147,12 +147,12 @@ inline void accumulate_pv_n(int nr, float* acc, const float* p, const float* cor
 
 // Calls f(kp0, nk, slot0) for each sub-block of the tile's keys (kp0 .. kp0+nk-1, at most 16 and inside one
 // block, whose first slot is slot0), prefetching ahead at each block's start.
-template <typename F>
+template <bool Ahead = true, typename F>
 inline void for_each_sub_block(const Tile& t, F&& f) {
   const int64_t last_pos = t.pos0 + t.n_q - 1, bs = t.block_size;
   for (int64_t kp0 = 0; kp0 <= last_pos;) {
     const int64_t nk = std::min<int64_t>({16, bs - kp0 % bs, last_pos + 1 - kp0});
-    if (kp0 % bs == 0) prefetch_ahead(t, kp0 / bs, last_pos);
+    if (Ahead && kp0 % bs == 0) prefetch_ahead(t, kp0 / bs, last_pos);
     f(kp0, nk, t.table[kp0 / bs] * bs + kp0 % bs);
     kp0 += nk;
   }
@@ -229,7 +229,15 @@ void attend_rows_direct(const Tile& t, const float* q, float* acc, float* m, flo
   float corr[NR];
   alignas(64) float scales[16] = {};  // 8-bit rows' scales; lanes past nk keep finite values
   __m512 part[NR][16];  // part[r][j]: q_r * k_j lane by lane, summed over the row's NV vectors
-  for_each_sub_block(t, [&](int64_t kp0, int64_t nk, int64_t slot0) {
+  const int64_t last_pos = t.pos0 + t.n_q - 1, bs = t.block_size;
+  for_each_sub_block<false>(t, [&](int64_t kp0, int64_t nk, int64_t slot0) {
+    if (kp0 == 0)
+      for (int64_t i = 1; i < kPrefetchBlocks; ++i) prefetch_block(t, i, last_pos);
+    // The same slots kPrefetchBlocks blocks ahead, requested row by row as this sub-block's rows are read
+    // (see prefetch_rows).
+    const int64_t ahead = kp0 / bs + kPrefetchBlocks;
+    const int64_t ahead_n = std::min(nk, last_pos + 1 - (ahead * bs + kp0 % bs));
+    const int64_t ahead_at = ahead_n > 0 ? (t.table[ahead] * bs + kp0 % bs) * t.slot_bytes : 0;
     for (int64_t h = 0; h < t.kv_heads; ++h) {
       const uint8_t* kh = t.k_cache + slot0 * t.slot_bytes + h * t.row_bytes;
       const float* qh = q + h * NR * D;
@@ -239,6 +247,7 @@ void attend_rows_direct(const Tile& t, const float* q, float* acc, float* m, flo
           continue;
         }
         const uint8_t* row = kh + j * t.slot_bytes;
+        if (j < ahead_n) prefetch_rows(t, ahead_at + j * t.slot_bytes + h * t.row_bytes);
         __m512 kv[NV];
         for (int i = 0; i < NV; ++i) kv[i] = load16<CT>(row + 16 * i * sizeof(CT));
         if constexpr (is_8bit_v<CT>) scales[j] = simd_scale<CT>(row, D);
