@@ -14,6 +14,9 @@
 // rows, stored transposed into y. A thread takes 32 weight rows at a time, rebuilds them for the whole K into
 // a bf16 buffer, then runs every 16-row tile of x (padded with zero rows) against them, two at a time:
 // 2 A x 2 B -> 4 C tiles. Rows of w past N are zero rows of the buffer, so N need not be a multiple of 16.
+// With at most two tiles of x (decode batches of up to 32 sequences) the rows are rebuilt one block column at
+// a time instead, into a 2 KB buffer that stays in L1 (stream_pass). Measured per shape at 16 rows of x, 2
+// threads, weights cold (the session-6 table in benchmarks/README.md): 0.7-0.9x the time of whole-row rebuilds.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -32,6 +35,7 @@
 
 #include "checks.h"
 #include "gguf_blocks.h"
+#include "gguf_decode.h"
 #include "ops_library.h"
 
 namespace {
@@ -43,28 +47,32 @@ constexpr int64_t kRowsPerPass = 32;  // weight rows per buffer: two A tiles
 // Tiles 0-3: C (16 x 16 float32); 4, 5: A (16 weight rows x 32 bf16); 6, 7: B (16 K-pairs x 16 x rows x 2 bf16).
 using pagedserve::TileConfig;
 
-// One block of 32 weights as bf16.
+// One block of 32 weights as bf16, its scale d (and Q4_1's min m) already widened to float32 in memory, so
+// they reach the arithmetic as broadcast loads (no shuffle-port work; decode::scales gathers them 16 blocks at
+// a time). Q4_1: the 16 values a nibble can stand for, d * j + m (d * j is exact in float32, so the fused
+// multiply-add rounds once, like d * q + m), rounded to bf16 once and looked up by each nibble (vpermw);
+// Q8_0: bf16(d * q). Either way the very bf16 that dequant_gguf's floats round to.
 template <int64_t T>
-inline void dequant_block_bf16(const uint8_t* blk, uint16_t* out) {
-  __m512 lo, hi;  // weights 0-15 and 16-31 of the block
+inline void dequant_block_bf16(const uint8_t* blk, const float* d, const float* m, uint16_t* out) {
+  __m512i w;
   if constexpr (T == kQ4_1) {
-    // The 16 values a nibble can stand for, d * j + m (d * j is exact in float32, so the fused
-    // multiply-add rounds once, like d * q + m), looked up by each nibble: vpermps reads an index's low 4 bits.
     const __m512 iota = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-    const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(u32(blk))));
-    const __m512 table = _mm512_fmadd_ps(_mm512_broadcastss_ps(dm), iota,
-                                         _mm512_broadcastss_ps(_mm_movehdup_ps(dm)));
-    const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4)));
-    lo = _mm512_permutexvar_ps(q, table);
-    hi = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table);
+    const __m512i table = _mm512_castsi256_si512(reinterpret_cast<__m256i>(
+        _mm512_cvtneps_pbh(_mm512_fmadd_ps(iota, _mm512_set1_ps(*d), _mm512_set1_ps(*m)))));
+    // bytes 0-15 widened twice: weights 0-15 are their low nibbles, 16-31 their high nibbles
+    const __m512i shift = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
+    const __m256i q = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4)));
+    const __m512i idx = _mm512_and_si512(_mm512_srlv_epi16(_mm512_cvtepu8_epi16(q), shift), _mm512_set1_epi16(15));
+    w = _mm512_permutexvar_epi16(idx, table);
   } else {
     static_assert(T == kQ8_0);
-    const __m512 d = _mm512_set1_ps(f16(blk));
+    const __m512 dv = _mm512_set1_ps(*d);
     const __m128i* q = reinterpret_cast<const __m128i*>(blk + 2);
-    lo = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q))));
-    hi = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1))));
+    const __m512 lo = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q))));
+    const __m512 hi = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1))));
+    w = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo));
   }
-  _mm512_storeu_si512(out, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
+  _mm512_storeu_si512(out, w);
 }
 
 // Weights are read once per call, from memory: each block also requests the bytes kAhead further on, so a
@@ -78,10 +86,16 @@ inline void prefetch_ahead(const uint8_t* blk) {
 // One row of weights, nb blocks of 32, as bf16.
 template <int64_t T>
 void dequant_row_bf16(const uint8_t* row, int64_t nb, uint16_t* out) {
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* blk = row + b * Format<T>::kBytes;
-    prefetch_ahead(blk);
-    dequant_block_bf16<T>(blk, out + 32 * b);
+  constexpr int64_t B = Format<T>::kBytes, kChunk = pagedserve::gguf::decode::kChunk;
+  alignas(64) float d[kChunk], m[kChunk];
+  for (int64_t c = 0; c < nb; c += kChunk) {
+    const int64_t count = std::min(kChunk, nb - c);
+    pagedserve::gguf::decode::scales<T>(row + c * B, count, d, m);
+    for (int64_t j = 0; j < count; ++j) {
+      const uint8_t* blk = row + (c + j) * B;
+      prefetch_ahead(blk);
+      dequant_block_bf16<T>(blk, d + j, m + j, out + 32 * (c + j));
+    }
   }
 }
 
@@ -165,11 +179,23 @@ void stream_pass(const AmxArgs& a, uint16_t* abuf, int64_t n0) {
     _tile_zero(2);
     _tile_zero(3);
   }
+  // the first 4 bytes (d, m) of block kb of 16 rows, one gather per 16 rows
+  const __m512i at = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                        _mm512_set1_epi32(static_cast<int>(a.row_bytes)));
+  const __mmask16 valid[2] = {static_cast<__mmask16>(rows >= 16 ? 0xFFFF : (1u << rows) - 1),
+                              static_cast<__mmask16>(rows >= 32 ? 0xFFFF : rows <= 16 ? 0 : (1u << (rows - 16)) - 1)};
+  alignas(64) float d[32], m[32];
   for (int64_t kb = 0; kb < a.k / 32; ++kb) {
+    for (int h = 0; h < 2; ++h) {
+      const __m512i dm = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), valid[h], at,
+                                                     w + 16 * h * a.row_bytes + kb * B, 1);
+      _mm512_store_ps(d + 16 * h, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dm)));
+      if constexpr (T == kQ4_1) _mm512_store_ps(m + 16 * h, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dm, 16))));
+    }
     for (int64_t r = 0; r < rows; ++r) {
       const uint8_t* blk = w + r * a.row_bytes + kb * B;
       prefetch_ahead(blk);
-      dequant_block_bf16<T>(blk, abuf + r * 32);
+      dequant_block_bf16<T>(blk, d + r, m + r, abuf + r * 32);
     }
     _tile_loadd(4, abuf, 64);
     _tile_loadd(5, abuf + 16 * 32, 64);
