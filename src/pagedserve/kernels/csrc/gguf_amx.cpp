@@ -194,7 +194,9 @@ void stream_pass(const AmxArgs& a, uint16_t* abuf, int64_t n0) {
     }
     for (int64_t r = 0; r < rows; ++r) {
       const uint8_t* blk = w + r * a.row_bytes + kb * B;
-      prefetch_ahead(blk);
+      // the same block of the next pass's rows: what this thread reads next in this order (0.86-0.94x the
+      // time of prefetching 8 KB ahead, which lands mostly in rows this pass already holds)
+      _mm_prefetch(reinterpret_cast<const char*>(blk + kRowsPerPass * a.row_bytes), _MM_HINT_T0);
       dequant_block_bf16<T>(blk, d + r, m + r, abuf + r * 32);
     }
     _tile_loadd(4, abuf, 64);
