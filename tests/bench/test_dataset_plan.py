@@ -27,6 +27,23 @@ def test_each_sweep_point_gets_fresh_words_of_the_same_lengths():
     assert all(x.prompt != y.prompt for x, y in zip(a, b))
 
 
+def test_words_variant_keeps_lengths_and_the_shared_prefix():
+    # A warm-up run with another --words-variant caches only the shared prefix for the measured run.
+    import argparse
+
+    from pagedserve.bench.cli import add_bench_args, workload
+
+    parser = argparse.ArgumentParser()
+    add_bench_args(parser, require_url=False)
+    flags = ["--num-prompts", "6", "--input-len", "5-9", "--shared-prefix-len", "4"]
+    default, warm = workload(parser.parse_args(flags)), workload(parser.parse_args(flags + ["--words-variant", "1"]))
+    assert default == random_requests(6, (5, 9), (32, 128), shared_prefix_len=4)  # unchanged without the flag
+    assert [(r.prompt_len, r.output_len) for r in default] == [(r.prompt_len, r.output_len) for r in warm]
+    assert all(x.prompt.split()[:4] == y.prompt.split()[:4] and x.prompt != y.prompt for x, y in zip(default, warm))
+    points = [workload(parser.parse_args(flags), point=i) for i in (1, 2)]  # sweep points differ from both
+    assert len({tuple(r.prompt for r in w) for w in [default, warm, *points]}) == 4
+
+
 def test_parse_range():
     assert parse_range("128") == (128, 128) and parse_range("64-256") == (64, 256)
     for bad in ("x", "9-3", "1-2-3"):

@@ -50,6 +50,9 @@ def add_bench_args(p: argparse.ArgumentParser, require_url: bool = True) -> None
     g.add_argument("--shared-prefix-len", type=int, default=0, metavar="N",
                    help="a common prefix of N words before every prompt (a long system prompt)")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--words-variant", type=int, default=0, metavar="N",
+                   help="draw the random prompts' words (not their lengths or the shared prefix) from stream N: "
+                        "warm a server up with another N and only the shared prefix is cached for the run")
     g = p.add_argument_group("load")
     g.add_argument("--request-rate", type=_rate, nargs="+", default=[math.inf], metavar="R",
                    help="Poisson arrival rate(s) in req/s, or inf; several values sweep")
@@ -92,10 +95,12 @@ def _per_url(values: list[str] | None, n: int, flag: str) -> list[str | None]:
     return values
 
 
-def workload(args: argparse.Namespace, variant: int = 0) -> list[BenchRequest]:
+def workload(args: argparse.Namespace, point: int = 0) -> list[BenchRequest]:
+    # point: the sweep point; each gets fresh words, as does each --words-variant (1000 points apart)
     output_len = args.output_len or (32, 128)
     return load_dataset(args.dataset, args.num_prompts, args.input_len, output_len, args.shared_prefix_len,
-                        args.seed, output_len_given=args.output_len is not None, variant=variant)
+                        args.seed, output_len_given=args.output_len is not None,
+                        variant=1000 * args.words_variant + point)
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
@@ -185,7 +190,7 @@ async def _run(args, requests: list[BenchRequest], specs, meta: dict, points) ->
     for i, (rate, conc) in enumerate(points):
         point_metrics = []
         # Fresh random words at each point (same lengths), so no point is served from another's prefix cache.
-        reqs = workload(args, variant=i) if i else requests
+        reqs = workload(args, point=i) if i else requests
         for ep in endpoints:  # endpoints take turns at each point, so slow drift in machine load hits both
             if stop.is_set():
                 break
