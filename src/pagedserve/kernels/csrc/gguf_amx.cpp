@@ -16,7 +16,8 @@
 // 2 A x 2 B -> 4 C tiles. Rows of w past N are zero rows of the buffer, so N need not be a multiple of 16.
 // With at most two tiles of x (decode batches of up to 32 sequences) the rows are rebuilt one block column at
 // a time instead, into a 2 KB buffer that stays in L1 (stream_pass). Measured per shape at 16 rows of x, 2
-// threads, weights cold (the session-6 table in benchmarks/README.md): 0.7-0.9x the time of whole-row rebuilds.
+// threads, weights cold: 0.7-0.9x the time of whole-row rebuilds (benchmarks/README.md, "The decode step at
+// 16 sequences").
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -62,7 +63,8 @@ inline void dequant_block_bf16(const uint8_t* blk, const float* d, const float* 
     // bytes 0-15 widened twice: weights 0-15 are their low nibbles, 16-31 their high nibbles
     const __m512i shift = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
     const __m256i q = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4)));
-    const __m512i idx = _mm512_and_si512(_mm512_srlv_epi16(_mm512_cvtepu8_epi16(q), shift), _mm512_set1_epi16(15));
+    const __m512i idx =
+        _mm512_and_si512(_mm512_srlv_epi16(_mm512_cvtepu8_epi16(q), shift), _mm512_set1_epi16(15));
     w = _mm512_permutexvar_epi16(idx, table);
   } else {
     static_assert(T == kQ8_0);
@@ -75,8 +77,8 @@ inline void dequant_block_bf16(const uint8_t* blk, const float* d, const float* 
   _mm512_storeu_si512(out, w);
 }
 
-// Weights are read once per call, from memory: each block also requests the bytes kAhead further on, so a
-// thread streams its rows instead of waiting on each line (0.78-0.91x the time at 16 rows of x).
+// Weights are read once per call, from memory: in whole-row rebuilds (more than 32 rows of x) each block also
+// requests the bytes kAhead further on, so a thread streams its rows instead of waiting on each line.
 constexpr int64_t kAhead = 8192;
 
 inline void prefetch_ahead(const uint8_t* blk) {
@@ -190,7 +192,8 @@ void stream_pass(const AmxArgs& a, uint16_t* abuf, int64_t n0) {
       const __m512i dm = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), valid[h], at,
                                                      w + 16 * h * a.row_bytes + kb * B, 1);
       _mm512_store_ps(d + 16 * h, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dm)));
-      if constexpr (T == kQ4_1) _mm512_store_ps(m + 16 * h, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dm, 16))));
+      if constexpr (T == kQ4_1)
+        _mm512_store_ps(m + 16 * h, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dm, 16))));
     }
     for (int64_t r = 0; r < rows; ++r) {
       const uint8_t* blk = w + r * a.row_bytes + kb * B;
