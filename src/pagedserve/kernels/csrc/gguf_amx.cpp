@@ -77,25 +77,19 @@ inline void dequant_block_bf16(const uint8_t* blk, const float* d, const float* 
   _mm512_storeu_si512(out, w);
 }
 
-// Weights are read once per call, from memory: in whole-row rebuilds (more than 32 rows of x) each block also
-// requests the bytes kAhead further on, so a thread streams its rows instead of waiting on each line.
-constexpr int64_t kAhead = 8192;
-
-inline void prefetch_ahead(const uint8_t* blk) {
-  _mm_prefetch(reinterpret_cast<const char*>(blk + kAhead), _MM_HINT_T0);
-}
-
 // One row of weights, nb blocks of 32, as bf16.
 template <int64_t T>
 void dequant_row_bf16(const uint8_t* row, int64_t nb, uint16_t* out) {
-  constexpr int64_t B = Format<T>::kBytes, kChunk = pagedserve::gguf::decode::kChunk;
+  constexpr int64_t B = Format<T>::kBytes, kChunk = decode::kChunk;
   alignas(64) float d[kChunk], m[kChunk];
   for (int64_t c = 0; c < nb; c += kChunk) {
     const int64_t count = std::min(kChunk, nb - c);
-    pagedserve::gguf::decode::scales<T>(row + c * B, count, d, m);
+    decode::scales<T>(row + c * B, count, d, m);
     for (int64_t j = 0; j < count; ++j) {
       const uint8_t* blk = row + (c + j) * B;
-      prefetch_ahead(blk);
+      // weights are read once per call: request the bytes decode::kAhead further on, so a thread streams
+      // its rows instead of waiting on each line
+      _mm_prefetch(reinterpret_cast<const char*>(blk + decode::kAhead), _MM_HINT_T0);
       dequant_block_bf16<T>(blk, d + j, m + j, out + 32 * (c + j));
     }
   }
@@ -181,20 +175,11 @@ void stream_pass(const AmxArgs& a, uint16_t* abuf, int64_t n0) {
     _tile_zero(2);
     _tile_zero(3);
   }
-  // the first 4 bytes (d, m) of block kb of 16 rows, one gather per 16 rows
-  const __m512i at = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                        _mm512_set1_epi32(static_cast<int>(a.row_bytes)));
-  const __mmask16 valid[2] = {static_cast<__mmask16>(rows >= 16 ? 0xFFFF : (1u << rows) - 1),
-                              static_cast<__mmask16>(rows >= 32 ? 0xFFFF : rows <= 16 ? 0 : (1u << (rows - 16)) - 1)};
   alignas(64) float d[32], m[32];
   for (int64_t kb = 0; kb < a.k / 32; ++kb) {
-    for (int h = 0; h < 2; ++h) {
-      const __m512i dm = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), valid[h], at,
-                                                     w + 16 * h * a.row_bytes + kb * B, 1);
-      _mm512_store_ps(d + 16 * h, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dm)));
-      if constexpr (T == kQ4_1)
-        _mm512_store_ps(m + 16 * h, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dm, 16))));
-    }
+    for (int64_t h = 0; h < 2; ++h)  // block kb's scales of rows 16 h .. 16 h + 15
+      decode::scales<T>(w + 16 * h * a.row_bytes + kb * B, std::clamp<int64_t>(rows - 16 * h, 0, 16), d + 16 * h,
+                        m + 16 * h, static_cast<int>(a.row_bytes));
     for (int64_t r = 0; r < rows; ++r) {
       const uint8_t* blk = w + r * a.row_bytes + kb * B;
       // the same block of the next pass's rows: what this thread reads next in this order (0.86-0.94x the

@@ -93,14 +93,14 @@ inline void prefetch(const uint8_t* p, int64_t bytes) {
 // broadcast loads (no shuffle-port work per block).
 constexpr int64_t kChunk = 16;
 
-// d[j] (and Q4_1's m[j]) of the `count` <= kChunk blocks from b, B bytes apart.
+// d[j] (and Q4_1's m[j]) of the `count` <= kChunk blocks from b, `stride` bytes apart: consecutive blocks of
+// a row by default; gguf_amx.cpp reads the same block of consecutive rows (stride = the row's bytes).
 template <int64_t T>
-inline void scales(const uint8_t* b, int64_t count, float* d, float* m) {
-  constexpr int B = static_cast<int>(Format<T>::kBytes);
+inline void scales(const uint8_t* b, int64_t count, float* d, float* m, int stride = Format<T>::kBytes) {
   // the first 4 bytes of each block (Q4_0 / Q8_0: d and two quant bytes), one gather; then the low and
   // high fp16 of each as 16 floats
-  const __m512i at = _mm512_setr_epi32(0, B, 2 * B, 3 * B, 4 * B, 5 * B, 6 * B, 7 * B, 8 * B, 9 * B, 10 * B, 11 * B,
-                                       12 * B, 13 * B, 14 * B, 15 * B);
+  const __m512i at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                        _mm512_set1_epi32(stride));
   const __m512i dm = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), static_cast<__mmask16>((1u << count) - 1),
                                                  at, b, 1);
   _mm512_store_ps(d, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dm)));
