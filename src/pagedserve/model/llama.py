@@ -7,6 +7,9 @@ last `sliding_window` positions (the token itself included, as in transformers) 
 backend with a window mask; the compiled CPU kernel has no window, so it serves only full-attention layers.
 Every block stays allocated (no freeing of blocks that slid out of the window).
 
+On CPU, when every layer qualifies (GGUF block weights, the compiled attention kernel; layers/decoder_stack.py),
+forward runs all layers in one compiled call of the same ops, bit-identical to the modules below.
+
 q/k/v and gate/up are fused into one matmul each; load_weights maps HF checkpoint names into the slices:
 
     qkv_proj.weight     = [ q_proj (Hq*D) | k_proj (Hkv*D) | v_proj (Hkv*D) ]   rows
@@ -25,6 +28,7 @@ from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.attention.reference import ReferenceAttentionBackend
 from pagedserve.distributed.parallel_state import TensorParallelGroup
 from pagedserve.model.layers.activation import SiluAndMul
+from pagedserve.model.layers.decoder_stack import DecoderStack
 from pagedserve.model.layers.linear import (Linear, find_exact_blocks, pack_linear_weights, pack_weight,
                                             packed_linear, quant_linear)
 from pagedserve.model.layers.norm import RMSNorm
@@ -171,12 +175,19 @@ class LlamaForCausalLM(nn.Module):
         self.requires_grad_(False)  # serving only; no autograd graph even outside inference_mode
         self._lm_head_packed: torch.Tensor | None = None
         self._lm_head_blocks = None
+        # The layers in one compiled call where they qualify (layers/decoder_stack.py); False: not looked at yet.
+        self._stack: DecoderStack | None | bool = False
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
         if len(kv_caches) != len(self.model.layers):
             raise ValueError(f"got {len(kv_caches)} kv caches for {len(self.model.layers)} layers")
         x = self.model.embed_tokens(input_ids)
+        if self._stack is False:
+            self._stack = DecoderStack.build(self)
+        out = self._stack(x, positions, kv_caches, meta) if self._stack is not None else None
+        if out is not None:
+            return self.model.norm.forward_residual(*out)[0]
         residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             x, residual = layer(positions, x, kv_cache, meta, residual)
@@ -201,6 +212,7 @@ class LlamaForCausalLM(nn.Module):
     def pack_weights(self) -> None:
         # The float32 CPU fast paths' weight copies (layers/linear.py); run after every weight load.
         pack_linear_weights(self)
+        self._stack = False  # weights (and their block copies) changed: look again at the next forward
         if self.lm_head is None and self.model.embed_tokens.weight is None:
             pass  # the embedding is blocks only (model/gguf_weights.py); _lm_head_blocks already points at them
         elif self.lm_head is None:

@@ -128,19 +128,27 @@ def _has_decode_kernel(ops) -> bool:
     return ops.compiled_isa() != "baseline"
 
 
-def gguf_linear(x: torch.Tensor, w: GGUFWeight, bias: torch.Tensor | None, max_gemv_rows: int) -> torch.Tensor:
-    # y = x W^T (+ bias) for float32 or bfloat16 x [M, in_features], any M; y has x's dtype. max_gemv_rows:
-    # the block GEMM's row limit for the types without a vectorized decode kernel.
-    ops, m = _ops(), x.shape[0]
-    x = x.contiguous()
-    amx = _amx_gemm(ops) if x.dtype == torch.bfloat16 else None
-    amx_takes = amx is not None and all(t in AMX_TYPES for t in w.qtypes)
-    if _has_decode_kernel(ops) and all(t in DECODE_TYPES for t in w.qtypes):
+def gguf_path(ops, dtype: torch.dtype, m: int, qtypes: tuple[int, ...], max_gemv_rows: int) -> str:
+    # Which kernel multiplies m rows of x (of `dtype`) by a weight of `qtypes`: "gemv" (gemm_gguf), "amx"
+    # (gemm_gguf_amx) or "tiles" (dequantized tiles through torch's GEMM). max_gemv_rows: gemm_gguf's row
+    # limit for the types without a vectorized decode kernel.
+    amx_takes = dtype == torch.bfloat16 and _amx_gemm(ops) is not None and all(t in AMX_TYPES for t in qtypes)
+    if _has_decode_kernel(ops) and all(t in DECODE_TYPES for t in qtypes):
         max_gemv_rows = DECODE_MAX_ROWS_AMX if amx_takes else DECODE_MAX_ROWS
     if m <= max_gemv_rows:
+        return "gemv"
+    return "amx" if amx_takes and m <= AMX_MAX_ROWS else "tiles"
+
+
+def gguf_linear(x: torch.Tensor, w: GGUFWeight, bias: torch.Tensor | None, max_gemv_rows: int) -> torch.Tensor:
+    # y = x W^T (+ bias) for float32 or bfloat16 x [M, in_features], any M; y has x's dtype.
+    ops, m = _ops(), x.shape[0]
+    x = x.contiguous()
+    path = gguf_path(ops, x.dtype, m, w.qtypes, max_gemv_rows)
+    if path == "gemv":
         return _by_parts(w, bias, lambda p, t, b: ops.gemm_gguf(x, p, t, b))
-    if amx_takes and m <= AMX_MAX_ROWS:
-        return _by_parts(w, bias, lambda p, t, b: amx(x, p, t, b))
+    if path == "amx":
+        return _by_parts(w, bias, lambda p, t, b: _amx_gemm(ops)(x, p, t, b))
     tile_rows = max(16, TILE_BYTES // (4 * w.in_features))
     if w.out_features <= tile_rows:
         y = x @ gguf_dequantize(w).to(x.dtype).t()

@@ -1,0 +1,84 @@
+"""The decoder layers of a Llama-family model in one compiled call (kernels/csrc/decoder_layers.cpp).
+
+At decode batch sizes each layer is ~10 op calls of a few microseconds each, and the Python around them
+(module calls, dtype and layout checks, splits and views) cost more than the ops: on the embedded 30-layer
+model ~6 ms of a ~17 ms one-stream decode step on the Xeon of benchmarks/README.md. The compiled loop calls
+the same ops in the same order, so its output is bit-identical to the modules' (tests/model/test_decoder_stack.py).
+
+It serves the common case and leaves everything else to the modules: every linear holds GGUF blocks of one
+type (the default for GGUF files) that gemm_gguf or gemm_gguf_amx multiplies at this batch size, every layer
+attends through the compiled CPU kernel (no sliding window, no reference fallback), no tensor parallelism,
+activations of a dtype the layer kernels take. `build` checks what is fixed per model, `__call__` what
+depends on the step, and returns None to send the step through the modules.
+"""
+from __future__ import annotations
+
+import torch
+
+from pagedserve import kernels
+from pagedserve.attention.cpu_paged import CpuPagedAttentionBackend, kernel_supports
+from pagedserve.attention.metadata import AttentionMetadata
+from pagedserve.model.layers.gguf_quant import gguf_path
+from pagedserve.model.layers.linear import QUANT_MAX_TOKENS, Linear
+from pagedserve.model.layers.norm import RMSNorm
+
+
+class DecoderStack:
+    def __init__(self, layers, rotary_emb) -> None:
+        linears = [m for layer in layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                   layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+        self.weights = [m.exact_blocks[1].parts[0] for m in linears]
+        self.qtypes = [m.exact_blocks[1].qtypes[0] for m in linears]
+        self.biases = [m.bias for m in linears]
+        self.norms = [n.weight for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+        self.eps = layers[0].input_layernorm.eps
+        attn = layers[0].self_attn
+        self.heads = [attn.num_heads, attn.num_kv_heads, attn.head_dim]
+        self.scale = attn.scale
+        self.rotary_emb = rotary_emb
+        self.dtype = self.norms[0].dtype
+        self.qtype_set = set(self.qtypes)
+
+    @classmethod
+    def build(cls, model) -> DecoderStack | None:
+        # None when some layer needs what only the modules do (see the module doc).
+        layers = list(model.model.layers)
+        if not layers or model.tp is not None:
+            return None
+        first = layers[0].input_layernorm
+        for layer in layers:
+            attn = layer.self_attn
+            backend = attn.attn_backend
+            if (not isinstance(backend, CpuPagedAttentionBackend) or backend.max_kernel_q_len >= 0
+                    or attn.rotary_emb is not layers[0].self_attn.rotary_emb or not attn.rotary_emb.max_positions):
+                return None
+            for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+                if type(norm) is not RMSNorm or norm.eps != first.eps or norm.weight.dtype != first.weight.dtype:
+                    return None
+            for m in (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+                blocks = m.exact_blocks
+                if type(m) is not Linear or blocks is None or blocks[0] != "gguf" or len(blocks[1].parts) != 1:
+                    return None
+        return cls(layers, layers[0].self_attn.rotary_emb)
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
+        # (last layer's output, residual), or None: run the modules.
+        ops = kernels.ops_for(x, kernels.LAYER_DTYPES)
+        if ops is None or x.dtype != self.dtype or x.dim() != 2 or not all(
+                kernel_supports(x.dtype, c.dtype) for c in kv_caches):
+            return None
+        amx = self._amx_flags(ops, x.dtype, x.shape[0])
+        if amx is None:
+            return None
+        return ops.decoder_layers(x, positions, kv_caches, meta.slot_mapping, meta.block_tables, meta.seq_lens,
+                                  meta.query_start_loc, self.scale, self.rotary_emb._table(), self.norms,
+                                  self.weights, self.qtypes, self.biases, amx, self.heads, self.eps)
+
+    def _amx_flags(self, ops, dtype: torch.dtype, m: int) -> list[int] | None:
+        # Per weight: 1 for gemm_gguf_amx, 0 for gemm_gguf, as gguf_linear would pick for m rows; None when
+        # some weight would go through dequantized tiles instead.
+        paths = {t: gguf_path(ops, dtype, m, (t,), QUANT_MAX_TOKENS) for t in self.qtype_set}
+        if "tiles" in paths.values():
+            return None
+        return [int(paths[t] == "amx") for t in self.qtypes]

@@ -1,0 +1,75 @@
+"""The compiled decoder stack (model/layers/decoder_stack.py) computes what the layer modules compute, bit for
+bit: logits and every layer's KV cache, for decode rows, prefill chunks and mixed batches, float32 and bfloat16,
+on weights the AMX GEMM takes (Q4_1) and on weights only gemm_gguf takes (Q4_K). Where some layer needs the
+modules (a weight of several types, a batch that goes through dequantized tiles, the reference attention) the
+model runs the modules."""
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+
+from pagedserve import kernels
+from pagedserve.attention.backend import get_attention_backend
+from pagedserve.model.gguf_file import open_gguf_file
+from pagedserve.model.gguf_weights import load_gguf_blocks
+from pagedserve.model.layers.decoder_stack import DecoderStack
+from pagedserve.model.llama import LlamaForCausalLM
+from pagedserve.worker.kv_cache import allocate_kv_caches
+from tests.model.test_gguf_blocks import KV_HEADS, LAYER_TYPES, VOCAB, tiny_config, write_gguf
+from tests.paged_metadata import build_attention_metadata, scattered_block_tables
+
+pytestmark = pytest.mark.skipif(kernels.load() is None, reason="the compiled kernels could not be built here")
+BLOCK_SIZE, NUM_BLOCKS, HEAD_DIM = 16, 24, 64
+# (tokens already cached, new tokens) per sequence: 1, 3, 8 and 44 rows of x.
+BATCHES = [[(0, 1)], [(5, 1), (17, 1), (30, 1)], [(3, 1), (0, 6), (40, 1)], [(0, 24), (4, 20)]]
+
+
+def _model(tmp_path, qtypes: dict, dtype: torch.dtype, backend: str = "cpu") -> LlamaForCausalLM:
+    path = str(tmp_path / "tiny.gguf")
+    write_gguf(path, False, qtypes)
+    model = LlamaForCausalLM(tiny_config(False), get_attention_backend(backend, "cpu"), dtype=dtype)
+    load_gguf_blocks(model, open_gguf_file(path), tiny_config(False))
+    return model
+
+
+def _forward(model, seqs, caches, tables):
+    meta = build_attention_metadata(seqs, tables, BLOCK_SIZE)
+    gen = torch.Generator().manual_seed(len(seqs))
+    ids = torch.randint(0, VOCAB, (sum(q for _, q in seqs),), generator=gen)
+    positions = torch.cat([torch.arange(c, c + q) for c, q in seqs])
+    return model.compute_logits(model(ids, positions, caches, meta)), meta, ids, positions
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("qtype", [T.Q4_1, T.Q4_K])
+def test_stack_equals_modules(tmp_path, qtype, dtype) -> None:
+    model = _model(tmp_path, {kind: qtype for kind in LAYER_TYPES}, dtype)
+    gen = torch.Generator().manual_seed(0)
+    caches = [c.copy_(torch.randn(c.shape, generator=gen)) for c in
+              allocate_kv_caches(2, NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM, dtype, "cpu")]
+    used = []
+    for seqs in BATCHES:
+        tables = scattered_block_tables([c + q for c, q in seqs], BLOCK_SIZE, NUM_BLOCKS)
+        stack_caches = [c.clone() for c in caches]
+        model._stack = False  # built again at the next forward
+        got, meta, ids, positions = _forward(model, seqs, stack_caches, tables)
+        assert isinstance(model._stack, DecoderStack)
+        used.append(model._stack(model.model.embed_tokens(ids), positions, [c.clone() for c in caches], meta)
+                    is not None)
+        model._stack = None  # the modules
+        want, *_ = _forward(model, seqs, caches, tables)
+        assert torch.equal(got, want), f"{seqs}: logits differ by {(got - want).abs().max()}"
+        for layer, (a, b) in enumerate(zip(stack_caches, caches)):
+            assert torch.equal(a, b), f"{seqs}: layer {layer}'s cache differs"
+    # Q4_K has no vectorized decode kernel: above 8 rows it goes through dequantized tiles, so the modules.
+    assert used == ([True, True, True, True] if qtype == T.Q4_1 else [True, True, True, False])
+
+
+def test_modules_serve_what_the_stack_does_not(tmp_path) -> None:
+    assert DecoderStack.build(_model(tmp_path, LAYER_TYPES, torch.float32)) is None  # qkv of three types
+    assert DecoderStack.build(_model(tmp_path, dict(LAYER_TYPES, attn_q=T.Q4_1, attn_k=T.Q4_1, attn_v=T.Q4_1,
+                                                    ffn_gate=T.Q4_1, ffn_up=T.Q4_1),
+                                     torch.float32)) is not None
+    assert DecoderStack.build(_model(tmp_path, {k: T.Q4_1 for k in LAYER_TYPES}, torch.float32,
+                                     backend="reference")) is None
