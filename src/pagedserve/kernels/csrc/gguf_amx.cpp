@@ -11,9 +11,9 @@
 // Roles are swapped so that neither side needs a transpose per weight block: C^T = W x^T. A tile = 16 weight
 // rows x 32 bf16 along K, which is exactly a dequantized row's natural layout; B tile = x^T in the VNNI pair
 // layout (16 K-pairs x 16 rows of x), built once per call since x is small; C tile = 16 weight rows x 16 x
-// rows, stored transposed into y. A thread takes 32 weight rows at a time, rebuilds them for the whole K into
-// a bf16 buffer, then runs every 16-row tile of x (padded with zero rows) against them, two at a time:
-// 2 A x 2 B -> 4 C tiles. Rows of w past N are zero rows of the buffer, so N need not be a multiple of 16.
+// rows, stored transposed into y. A thread takes 32 weight rows at a time, rebuilds them for up to 640 of K
+// (longer K in equal chunks) into a bf16 buffer that stays in L1, then runs every 16-row tile of x (padded
+// with zero rows) against them, two at a time: 2 A x 2 B -> 4 C tiles. Rows of w past N are zero rows of the buffer, so N need not be a multiple of 16.
 // With at most two tiles of x (decode batches of up to 32 sequences) the rows are rebuilt one block column at
 // a time instead, into a 2 KB buffer that stays in L1 (stream_pass). Measured per shape at 16 rows of x, 2
 // threads, weights cold: 0.7-0.9x the time of whole-row rebuilds (benchmarks/README.md, "The decode step at
@@ -44,6 +44,7 @@ namespace {
 using namespace pagedserve::gguf;
 
 constexpr int64_t kRowsPerPass = 32;  // weight rows per buffer: two A tiles
+constexpr int64_t kMaxChunkBlocks = 20;  // block columns per buffer: 32 rows x 640 bf16 = 40 KB
 
 // Tiles 0-3: C (16 x 16 float32); 4, 5: A (16 weight rows x 32 bf16); 6, 7: B (16 K-pairs x 16 x rows x 2 bf16).
 using pagedserve::TileConfig;
@@ -123,20 +124,36 @@ void store_tile(const AmxArgs& a, const float* c, int64_t n0, int64_t m0) {
   }
 }
 
-// x tiles mt (and mt + 1 when Two) against the 32 buffered weight rows starting at n0.
+// x tiles mt (and mt + 1 when Two) against the 32 buffered weight rows starting at n0, over block columns
+// kb0 .. kb0 + kc - 1 (the buffer holds just those, kc * 32 bf16 per row). Sums over earlier block columns
+// come from cbuf (32 floats per x row: c tiles as stored) unless first; when last the sums go to y, else back
+// to cbuf. Stored and reloaded float32 tiles keep the sums exactly as one pass over K would have them.
 template <bool Two, typename Out>
-void multiply_pass(const AmxArgs& a, const uint16_t* wbuf, int64_t n0, int64_t mt) {
-  const int64_t stride = a.k * 2;  // bytes between buffered weight rows
-  _tile_zero(0);
-  _tile_zero(1);
-  if constexpr (Two) {
-    _tile_zero(2);
-    _tile_zero(3);
+void multiply_pass(const AmxArgs& a, const uint16_t* wbuf, int64_t kb0, int64_t kc, bool first, bool last,
+                   float* cbuf, int64_t n0, int64_t mt) {
+  const int64_t stride = kc * 64;  // bytes between buffered weight rows
+  // C tiles of x tile mt in cbuf: weight rows n0.., n0 + 16.. (then mt + 1's); no cbuf when K is one chunk
+  float* c0 = cbuf == nullptr ? nullptr : cbuf + mt * 512;
+  constexpr int kTiles = Two ? 4 : 2;
+  if (first) {
+    _tile_zero(0);
+    _tile_zero(1);
+    if constexpr (Two) {
+      _tile_zero(2);
+      _tile_zero(3);
+    }
+  } else {
+    _tile_loadd(0, c0, 64);
+    _tile_loadd(1, c0 + 256, 64);
+    if constexpr (Two) {
+      _tile_loadd(2, c0 + 512, 64);
+      _tile_loadd(3, c0 + 768, 64);
+    }
   }
-  for (int64_t kb = 0; kb < a.k / 32; ++kb) {
+  for (int64_t kb = 0; kb < kc; ++kb) {
     _tile_loadd(4, wbuf + 32 * kb, stride);
-    _tile_loadd(5, wbuf + 16 * a.k + 32 * kb, stride);
-    const uint16_t* b = a.xv + (kb * a.m_tiles + mt) * 512;
+    _tile_loadd(5, wbuf + 16 * 32 * kc + 32 * kb, stride);
+    const uint16_t* b = a.xv + ((kb0 + kb) * a.m_tiles + mt) * 512;
     _tile_loadd(6, b, 64);
     _tile_dpbf16ps(0, 4, 6);
     _tile_dpbf16ps(1, 5, 6);
@@ -146,16 +163,24 @@ void multiply_pass(const AmxArgs& a, const uint16_t* wbuf, int64_t n0, int64_t m
       _tile_dpbf16ps(3, 5, 7);
     }
   }
+  if (!last) {
+    _tile_stored(0, c0, 64);
+    _tile_stored(1, c0 + 256, 64);
+    if constexpr (Two) {
+      _tile_stored(2, c0 + 512, 64);
+      _tile_stored(3, c0 + 768, 64);
+    }
+    return;
+  }
   alignas(64) float c[256];
-  _tile_stored(0, c, 64);
-  store_tile<Out>(a, c, n0, 16 * mt);
-  _tile_stored(1, c, 64);
-  store_tile<Out>(a, c, n0 + 16, 16 * mt);
-  if constexpr (Two) {
-    _tile_stored(2, c, 64);
-    store_tile<Out>(a, c, n0, 16 * mt + 16);
-    _tile_stored(3, c, 64);
-    store_tile<Out>(a, c, n0 + 16, 16 * mt + 16);
+  for (int t = 0; t < kTiles; ++t) {
+    switch (t) {  // tile numbers must be immediates
+      case 0: _tile_stored(0, c, 64); break;
+      case 1: _tile_stored(1, c, 64); break;
+      case 2: _tile_stored(2, c, 64); break;
+      default: _tile_stored(3, c, 64); break;
+    }
+    store_tile<Out>(a, c, n0 + 16 * (t % 2), 16 * (mt + t / 2));
   }
 }
 
@@ -226,15 +251,28 @@ void amx_gemm_typed(const AmxArgs& a) {
       _tile_release();
       return;
     }
-    std::vector<uint16_t> wbuf(kRowsPerPass * a.k, 0);
+    // K in chunks of at most kMaxChunkBlocks block columns, so the rebuilt rows (A tiles) stay in L1 while
+    // every tile of x streams past them from L2; one pass over a long K (down_proj: 98 KB of rebuilt rows)
+    // read both operands from L2: 356 GFLOP/s at 352 rows of x against 655 for gate_up (K = 576); in three
+    // chunks 0.79-0.89x the time at 64-512 rows (benchmarks/README.md, "The decoder stack in one call").
+    const int64_t nb = a.k / 32, chunks = (nb + kMaxChunkBlocks - 1) / kMaxChunkBlocks;
+    const int64_t kc_max = (nb + chunks - 1) / chunks;
+    std::vector<uint16_t> wbuf(kRowsPerPass * kc_max * 32, 0);
+    std::vector<float> cbuf(chunks > 1 ? a.m_tiles * 512 : 0);
+    float* const cb = chunks > 1 ? cbuf.data() : nullptr;
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t n0 = p * kRowsPerPass, rows = std::min(kRowsPerPass, a.n - n0);
-      for (int64_t r = 0; r < rows; ++r)
-        dequant_row_bf16<T>(a.w + (n0 + r) * a.row_bytes, a.k / 32, wbuf.data() + r * a.k);
-      if (rows < kRowsPerPass) std::fill(wbuf.begin() + rows * a.k, wbuf.end(), 0);
-      int64_t mt = 0;
-      for (; mt + 1 < a.m_tiles; mt += 2) multiply_pass<true, Out>(a, wbuf.data(), n0, mt);
-      if (mt < a.m_tiles) multiply_pass<false, Out>(a, wbuf.data(), n0, mt);
+      for (int64_t kb0 = 0; kb0 < nb; kb0 += kc_max) {
+        const int64_t kc = std::min(kc_max, nb - kb0);
+        for (int64_t r = 0; r < rows; ++r)
+          dequant_row_bf16<T>(a.w + (n0 + r) * a.row_bytes + kb0 * Format<T>::kBytes, kc, wbuf.data() + r * kc * 32);
+        if (rows < kRowsPerPass) std::fill(wbuf.begin() + rows * kc * 32, wbuf.begin() + kRowsPerPass * kc * 32, 0);
+        const bool first = kb0 == 0, last = kb0 + kc == nb;
+        int64_t mt = 0;
+        for (; mt + 1 < a.m_tiles; mt += 2)
+          multiply_pass<true, Out>(a, wbuf.data(), kb0, kc, first, last, cb, n0, mt);
+        if (mt < a.m_tiles) multiply_pass<false, Out>(a, wbuf.data(), kb0, kc, first, last, cb, n0, mt);
+      }
     }
     _tile_release();
   });
@@ -247,12 +285,14 @@ std::vector<uint16_t> x_tiles(const uint16_t* x, int64_t x_stride, int64_t m, in
   uint32_t* out = reinterpret_cast<uint32_t*>(xv.data());
   const __m512i pairs = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                                            _mm512_set1_epi32(16));
-  for (int64_t i = 0; i < m; ++i) {
-    const int64_t mt = i / 16, r = i % 16;
-    for (int64_t kb = 0; kb < k / 32; ++kb)  // the row's 16 pairs of this block column, 16 pairs apart
-      _mm512_i32scatter_epi32(out + (kb * m_tiles + mt) * 256 + r, pairs,
-                              _mm512_loadu_si512(x + i * x_stride + 32 * kb), 4);
-  }
+  at::parallel_for(0, m, 16, [&](int64_t i0, int64_t i1) {  // rows write disjoint words
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t mt = i / 16, r = i % 16;
+      for (int64_t kb = 0; kb < k / 32; ++kb)  // the row's 16 pairs of this block column, 16 pairs apart
+        _mm512_i32scatter_epi32(out + (kb * m_tiles + mt) * 256 + r, pairs,
+                                _mm512_loadu_si512(x + i * x_stride + 32 * kb), 4);
+    }
+  });
   return xv;
 }
 
