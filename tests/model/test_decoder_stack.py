@@ -14,6 +14,8 @@ from pagedserve.attention.backend import get_attention_backend
 from pagedserve.model.gguf_file import open_gguf_file
 from pagedserve.model.gguf_weights import load_gguf_blocks
 from pagedserve.model.layers.decoder_stack import DecoderStack
+from pagedserve.model.layers.gguf_quant import gguf_path
+from pagedserve.model.layers.linear import QUANT_MAX_TOKENS
 from pagedserve.model.llama import LlamaForCausalLM
 from pagedserve.worker.kv_cache import allocate_kv_caches
 from tests.model.test_gguf_blocks import KV_HEADS, LAYER_TYPES, VOCAB, tiny_config, write_gguf
@@ -62,8 +64,14 @@ def test_stack_equals_modules(tmp_path, qtype, dtype) -> None:
         assert torch.equal(got, want), f"{seqs}: logits differ by {(got - want).abs().max()}"
         for layer, (a, b) in enumerate(zip(stack_caches, caches)):
             assert torch.equal(a, b), f"{seqs}: layer {layer}'s cache differs"
-    # Q4_K has no vectorized decode kernel: above 8 rows it goes through dequantized tiles, so the modules.
-    assert used == ([True, True, True, True] if qtype == T.Q4_1 else [True, True, True, False])
+    # Batches that gguf_linear sends through dequantized tiles run the modules: Q4_K (no vectorized decode
+    # kernel) above 8 rows; Q4_1 above 64 rows, or above 8 in the baseline build, or above 512 of bf16 on AMX.
+    ops = kernels.load()
+    tiles = [gguf_path(ops, dtype, sum(q for _, q in seqs), (int(qtype),), QUANT_MAX_TOKENS) == "tiles"
+             for seqs in BATCHES]
+    assert used == [not t for t in tiles]
+    if kernels.selected_isa() != "baseline":
+        assert used == ([True, True, True, True] if qtype == T.Q4_1 else [True, True, True, False])
 
 
 def test_modules_serve_what_the_stack_does_not(tmp_path) -> None:
