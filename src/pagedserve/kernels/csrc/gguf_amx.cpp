@@ -13,7 +13,8 @@
 // layout (16 K-pairs x 16 rows of x), built once per call since x is small; C tile = 16 weight rows x 16 x
 // rows, stored transposed into y. A thread takes 32 weight rows at a time, rebuilds them for up to 640 of K
 // (longer K in equal chunks) into a bf16 buffer that stays in L1, then runs every 16-row tile of x (padded
-// with zero rows) against them, two at a time: 2 A x 2 B -> 4 C tiles. Rows of w past N are zero rows of the buffer, so N need not be a multiple of 16.
+// with zero rows) against them, two at a time: 2 A x 2 B -> 4 C tiles. Rows of w past N are zero rows of the
+// buffer, so N need not be a multiple of 16.
 // With at most two tiles of x (decode batches of up to 32 sequences) the rows are rebuilt one block column at
 // a time instead, into a 2 KB buffer that stays in L1 (stream_pass). Measured per shape at 16 rows of x, 2
 // threads, weights cold: 0.7-0.9x the time of whole-row rebuilds (benchmarks/README.md, "The decode step at
