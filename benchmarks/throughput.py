@@ -164,18 +164,21 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--quantization", default=None, help="pagedserve --quantization (default: the engine's)")
     p.add_argument("--also-quantization", default=None, metavar="Q",
                    help="run pagedserve again with this --quantization (and --also-dtype, else --dtype)")
+    p.add_argument("--kv-cache-dtype", default="auto",
+                   help="pagedserve --kv-cache-dtype of the first run (the --also run keeps auto: its dtype's)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
 
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     machine = machine_info()
-    def make_llm(dtype: str, quantization: str | None) -> LLM:
+    def make_llm(dtype: str, quantization: str | None, kv_cache_dtype: str = "auto") -> LLM:
         return LLM(max_model_len=args.max_model_len, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                    max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                   num_threads=args.num_threads, dtype=dtype, quantization=quantization)
+                   num_threads=args.num_threads, dtype=dtype, quantization=quantization,
+                   kv_cache_dtype=kv_cache_dtype)
 
-    llm = make_llm(args.dtype, args.quantization)
+    llm = make_llm(args.dtype, args.quantization, args.kv_cache_dtype)
     engine = llm.llm_engine
     tok = llm.get_tokenizer()
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
@@ -194,6 +197,7 @@ def main(argv: list[str] | None = None) -> dict:
     results["pagedserve"] = paged
     paged["dtype"] = engine.config.model.dtype  # what --dtype resolved to
     paged["quantization"] = engine.config.model.quantization
+    paged["kv_cache_dtype"] = args.kv_cache_dtype
     capacity = engine.kv.num_blocks * engine.kv.block_size
     results["contiguous_max_len_requests_fitting_pool"] = capacity // args.max_model_len
     print(f"pagedserve:   {paged['output_tokens_per_s']:7.2f} output tok/s  ({paged['wall_s']:.1f} s, "
