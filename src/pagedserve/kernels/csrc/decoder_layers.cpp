@@ -30,29 +30,32 @@ using Tensor = at::Tensor;
 using OptTensor = std::optional<Tensor>;
 
 template <class Sig>
-c10::TypedOperatorHandle<Sig> handle(const char* name) {
+using Op = c10::TypedOperatorHandle<Sig>;
+
+template <class Sig>
+Op<Sig> handle(const char* name) {
   const std::string full = std::string(PAGEDSERVE_STR(PAGEDSERVE_OPS_NS)) + "::" + name;
   return c10::Dispatcher::singleton().findSchemaOrThrow(full.c_str(), "").typed<Sig>();
 }
 
-struct Ops {
-  c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, double)> rms_norm =
-      handle<Tensor(const Tensor&, const Tensor&, double)>("rms_norm");
-  // The in-place ops take their mutated tensors by value, as registered (the handle's type must match).
-  c10::TypedOperatorHandle<void(Tensor, Tensor, const Tensor&, double)> add_rms_norm =
-      handle<void(Tensor, Tensor, const Tensor&, double)>("fused_add_rms_norm_");
-  c10::TypedOperatorHandle<void(Tensor, Tensor, const Tensor&, const Tensor&)> rotary =
-      handle<void(Tensor, Tensor, const Tensor&, const Tensor&)>("rotary_embedding_");
-  c10::TypedOperatorHandle<Tensor(const Tensor&)> silu_and_mul = handle<Tensor(const Tensor&)>("silu_and_mul");
-  c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, const Tensor&, Tensor, const Tensor&, const Tensor&,
-                                  const Tensor&, const Tensor&, double, int64_t)>
-      attention = handle<Tensor(const Tensor&, const Tensor&, const Tensor&, Tensor, const Tensor&, const Tensor&,
-                                const Tensor&, const Tensor&, double, int64_t)>("paged_attention");
-  c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, int64_t, const OptTensor&)> gemm =
-      handle<Tensor(const Tensor&, const Tensor&, int64_t, const OptTensor&)>("gemm_gguf");
-};
-
+// The in-place ops take their mutated tensors by value, as registered (a handle's type must match exactly).
+using NormSig = Tensor(const Tensor&, const Tensor&, double);
+using AddNormSig = void(Tensor, Tensor, const Tensor&, double);
+using RotarySig = void(Tensor, Tensor, const Tensor&, const Tensor&);
+using ActSig = Tensor(const Tensor&);
+using AttentionSig = Tensor(const Tensor&, const Tensor&, const Tensor&, Tensor, const Tensor&, const Tensor&,
+                            const Tensor&, const Tensor&, double, int64_t);
+using GemmSig = Tensor(const Tensor&, const Tensor&, int64_t, const OptTensor&);
 using AmxSig = Tensor(const Tensor&, const Tensor&, int64_t, const OptTensor&, std::optional<at::ScalarType>);
+
+struct Ops {
+  Op<NormSig> rms_norm = handle<NormSig>("rms_norm");
+  Op<AddNormSig> add_rms_norm = handle<AddNormSig>("fused_add_rms_norm_");
+  Op<RotarySig> rotary = handle<RotarySig>("rotary_embedding_");
+  Op<ActSig> silu_and_mul = handle<ActSig>("silu_and_mul");
+  Op<AttentionSig> attention = handle<AttentionSig>("paged_attention");
+  Op<GemmSig> gemm = handle<GemmSig>("gemm_gguf");
+};
 
 const Ops& ops() {
   static const Ops o;
@@ -60,7 +63,7 @@ const Ops& ops() {
 }
 
 // Only the amx build registers gemm_gguf_amx: looked up on first use.
-const c10::TypedOperatorHandle<AmxSig>& amx_gemm() {
+const Op<AmxSig>& amx_gemm() {
   static const auto h = handle<AmxSig>("gemm_gguf_amx");
   return h;
 }

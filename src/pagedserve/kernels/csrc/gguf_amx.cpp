@@ -135,7 +135,6 @@ void multiply_pass(const AmxArgs& a, const uint16_t* wbuf, int64_t kb0, int64_t 
   const int64_t stride = kc * 64;  // bytes between buffered weight rows
   // C tiles of x tile mt in cbuf: weight rows n0.., n0 + 16.. (then mt + 1's); no cbuf when K is one chunk
   float* c0 = cbuf == nullptr ? nullptr : cbuf + mt * 512;
-  constexpr int kTiles = Two ? 4 : 2;
   if (first) {
     _tile_zero(0);
     _tile_zero(1);
@@ -174,14 +173,15 @@ void multiply_pass(const AmxArgs& a, const uint16_t* wbuf, int64_t kb0, int64_t 
     return;
   }
   alignas(64) float c[256];
-  for (int t = 0; t < kTiles; ++t) {
-    switch (t) {  // tile numbers must be immediates
-      case 0: _tile_stored(0, c, 64); break;
-      case 1: _tile_stored(1, c, 64); break;
-      case 2: _tile_stored(2, c, 64); break;
-      default: _tile_stored(3, c, 64); break;
-    }
-    store_tile<Out>(a, c, n0 + 16 * (t % 2), 16 * (mt + t / 2));
+  _tile_stored(0, c, 64);
+  store_tile<Out>(a, c, n0, 16 * mt);
+  _tile_stored(1, c, 64);
+  store_tile<Out>(a, c, n0 + 16, 16 * mt);
+  if constexpr (Two) {
+    _tile_stored(2, c, 64);
+    store_tile<Out>(a, c, n0, 16 * mt + 16);
+    _tile_stored(3, c, 64);
+    store_tile<Out>(a, c, n0 + 16, 16 * mt + 16);
   }
 }
 
