@@ -4,7 +4,7 @@
     python benchmarks/decode_step.py --streams 16 --context 450 --rounds 3 --out benchmarks/results/x.json
 
 The engine gets N prompts of --context random tokens (prefix caching off, so every round computes the same
-work) and is stepped until every sequence has its first token; then each of the next --steps steps (all N
+work; with --shared-prefix, on, and the prompts start alike) and is stepped until every sequence has its first token; then each of the next --steps steps (all N
 sequences decoding, the context growing by one token a step) is timed on its own. A round reports the median
 step; the result is the median over rounds. One more round runs its decode steps under torch.profiler for the
 op breakdown per step (which includes the profiler's own overhead).
@@ -32,6 +32,9 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--streams", type=int, default=16)
     p.add_argument("--context", type=int, default=450, help="prompt tokens per sequence")
+    p.add_argument("--shared-prefix", type=int, default=0,
+                   help="the first N prompt tokens are the same for every sequence (prefix caching on, so their KV "
+                        "blocks are shared)")
     p.add_argument("--steps", type=int, default=64, help="decode steps timed per round")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--num-threads", type=int, default=2)
@@ -40,11 +43,13 @@ def main() -> None:
     p.add_argument("--out", help="also write the results as JSON here")
     args = p.parse_args()
 
-    llm = LLM(num_threads=args.num_threads, max_num_seqs=args.streams, enable_prefix_caching=False,
+    llm = LLM(num_threads=args.num_threads, max_num_seqs=args.streams, enable_prefix_caching=args.shared_prefix > 0,
               max_num_batched_tokens=args.max_num_batched_tokens)
     ids = allowed_token_ids(llm.get_tokenizer(), llm.llm_engine.hf_config.vocab_size)
     rng = random.Random(0)  # the same prompts for every checkout compared
-    prompts = [{"prompt_token_ids": [rng.choice(ids) for _ in range(args.context)]} for _ in range(args.streams)]
+    shared = [rng.choice(ids) for _ in range(args.shared_prefix)]
+    prompts = [{"prompt_token_ids": shared + [rng.choice(ids) for _ in range(args.context - len(shared))]}
+               for _ in range(args.streams)]
 
     engine = llm.llm_engine
     params = SamplingParams(temperature=0.0, max_tokens=args.steps + 2, ignore_eos=True)
@@ -79,7 +84,7 @@ def main() -> None:
         steps_ms.append(statistics.median(decode_steps()[0]))
         print(f"decode step {steps_ms[-1]:.1f} ms (median of {args.steps})", flush=True)
     result = {"command": " ".join(sys.argv), "machine": machine_info(), "kernels": kernels.selected_isa(),
-              "streams": args.streams, "context": args.context, "steps": args.steps,
+              "streams": args.streams, "context": args.context, "shared_prefix": args.shared_prefix, "steps": args.steps,
               "decode_step_ms": steps_ms, "decode_step_ms_median": statistics.median(steps_ms)}
     print(f"median decode step: {result['decode_step_ms_median']:.1f} ms at {args.streams} sequences")
     if not args.no_ops:

@@ -148,10 +148,15 @@ def test_bf16_prefill_tiles_close_to_float32(isa_name: str, kv: str, num_heads: 
                          num_blocks, block_size)
     got_cache = cache.clone()
     got = CpuPagedAttentionBackend(kernels.load_isa(isa_name)).forward(q, k, v, got_cache, meta, head_dim ** -0.5)
+    assert_within_bf16_rounding(got, q, got_cache, meta)
+
+
+def assert_within_bf16_rounding(got: torch.Tensor, q: torch.Tensor, got_cache: torch.Tensor, meta) -> None:
     # float32 arithmetic on the cache the kernel wrote (8-bit rows as it quantized them). The expected difference:
     # the output's rounding to bf16 (2^-9 of |out|) and, on AMX, the weights' (2^-9 of each p_j, so at most 2^-9
     # of sum_j p_j |v_j|: the same attention over |v|); twice that is the bound.
-    written = as_float(got_cache).flatten(1, 2)[:, meta.slot_mapping].view(2, n, num_kv_heads, head_dim)
+    n, head_dim = q.shape[0], q.shape[-1]
+    written = as_float(got_cache).flatten(1, 2)[:, meta.slot_mapping].view(2, n, got_cache.shape[3], head_dim)
     reference = ReferenceAttentionBackend()
     expected = reference.forward(q.float(), written[0], written[1], got_cache.clone(), meta, head_dim ** -0.5)
     abs_values = as_float(got_cache)

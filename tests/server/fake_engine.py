@@ -47,6 +47,7 @@ class FakeCore:
         self.stats_delay_s = 0.0  # how long a stats read (each snapshot) takes
         self.step_gate: threading.Event | None = None  # when set up, each step waits for it
         self.step_s = step_s
+        self.batches: list[set[str]] = []  # the requests of each step
         self.scheduler = SimpleNamespace(stats=self._sched_stats, requests=self.requests)
 
     def _touch(self) -> None:
@@ -82,6 +83,7 @@ class FakeCore:
         self._touch()
         if self.step_gate is not None:
             self.step_gate.wait()
+        self.batches.append(set(self.requests))
         time.sleep(self.step_s)
         if self.fail_next_step:
             self.fail_next_step = False

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 
@@ -259,3 +260,45 @@ def test_a_huge_prompt_is_refused_before_tokenizing(fake, monkeypatch):
 
     assert asyncio.run(main())[-1].finished
     assert len(calls) == 1  # only the small prompt was tokenized
+
+
+def slow_tokenizer(async_engine, monkeypatch, seconds):
+    # Every prompt takes `seconds` to tokenize (as a long prompt does, or any prompt on a starved thread).
+    tok = async_engine.processor.tokenizer
+    encode = tok.encode
+    monkeypatch.setattr(tok, "encode", lambda *a, **k: time.sleep(seconds) or encode(*a, **k))
+
+
+def test_a_burst_of_requests_joins_one_step(fake, monkeypatch):
+    # Requests arriving together at an idle engine reach the same step although each takes 4 ms to tokenize:
+    # the engine waits for those on their way in (up to ADMISSION_WAIT_S) instead of starting with the first.
+    engine, async_engine = fake
+    slow_tokenizer(async_engine, monkeypatch, 0.004)
+
+    async def main():
+        async def one(i):
+            return [o async for o in async_engine.generate(PROMPT, SamplingParams(max_tokens=3), f"r{i}")]
+        return await asyncio.gather(*(one(i) for i in range(6)))
+
+    results = asyncio.run(asyncio.wait_for(main(), 10))
+    assert all(r[-1].finished for r in results)
+    assert engine.batches[0] == {f"r{i}" for i in range(6)}
+
+
+def test_a_slow_admission_stalls_running_requests_at_most_a_step_per_step(fake, monkeypatch):
+    # While a request tokenizes for 0.3 s, a running one keeps stepping: the engine waits at most as long as its
+    # last step took (2 ms here) before each step, not ADMISSION_WAIT_S (which would allow ~6 steps) or longer.
+    engine, async_engine = fake
+
+    async def main():
+        stream = await async_engine.add_request("running", PROMPT, SamplingParams(max_tokens=10_000))
+        await asyncio.sleep(0.05)
+        slow_tokenizer(async_engine, monkeypatch, 0.3)
+        before = len(engine.batches)
+        await async_engine.add_request("slow", PROMPT, SamplingParams(max_tokens=2))
+        steps = len(engine.batches) - before
+        async_engine.abort(["running", "slow"])
+        stream.close()
+        return steps
+
+    assert asyncio.run(asyncio.wait_for(main(), 10)) >= 20

@@ -58,6 +58,13 @@ class EngineSnapshot:
 # /tokenize calls made decode 4x slower); at this niceness it runs on the cycles the engine leaves idle.
 TOKENIZER_NICENESS = 19
 
+# ... which starves it while steps run back to back: a burst of requests (a wave of 8 chat turns over a 1,000-token
+# system prompt, ~5 ms of tokenizing each) took up to 2 s to reach the engine, one or two per step. So before a
+# step the engine waits for requests still being tokenized (or compiling grammars), sleeping so that the
+# tokenizer thread gets the CPU: for up to ADMISSION_WAIT_S when it was idle, and otherwise at most as long as
+# its last step took (the running requests then wait at most one step's time). They join that step together.
+ADMISSION_WAIT_S = 0.05
+
 
 def _yield_cpu_to_the_engine() -> None:
     try:
@@ -82,6 +89,8 @@ class AsyncLLMEngine:
         self._lock = threading.Lock()  # orders _closed against command submission
         self._closed = False
         self._busy_since: float | None = None  # set while the engine thread is inside a step or command
+        self._admitting = 0  # requests in add_requests that have not reached the engine yet (under _lock)
+        self._last_step_s = 0.0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._streams: dict[str, OutputStream] = {}  # event loop only
         self._tokenizer_pool = concurrent.futures.ThreadPoolExecutor(
@@ -187,6 +196,30 @@ class AsyncLLMEngine:
             raise EngineClosedError("the engine is shut down")
         loop = asyncio.get_running_loop()
         self._loop = loop
+        admitted = self._admission(len(requests))
+        try:
+            return await self._add_requests(requests, admitted)
+        finally:
+            admitted()  # tokenizing failed, or the caller went away before the engine took them
+
+    def _admission(self, n: int) -> Callable[[], None]:
+        # Counts n requests as on their way to the engine; the returned function (idempotent) ends that.
+        with self._lock:
+            self._admitting += n
+        done = False
+
+        def end() -> None:
+            nonlocal done
+            with self._lock:
+                if not done:
+                    done = True
+                    self._admitting -= n
+            self._wakeup.set()
+
+        return end
+
+    async def _add_requests(self, requests: Sequence[tuple[str, Prompt, SamplingParams]],
+                            admitted: Callable[[], None]) -> OutputStream:
 
         def process(proc: Processor) -> list:
             return [proc.process(rid, prompt(proc) if callable(prompt) else prompt, params)
@@ -195,7 +228,8 @@ class AsyncLLMEngine:
         processed = await self.run_processor(process)
         if any(p.grammar_future is not None for p in processed):
             # Grammars compile on their own threads; waiting here (not on the tokenizer thread) holds up
-            # nobody else's request.
+            # nobody else's request, nor the engine (which waits only for tokenizing: a compile may take seconds).
+            admitted()
             grammars = self.processor.grammars
             compiled = await asyncio.gather(*(grammars.wait_async(p.grammar_future) for p in processed
                                               if p.grammar_future is not None))
@@ -211,7 +245,11 @@ class AsyncLLMEngine:
             self._streams[p.request_id] = stream
         core_reqs = [r for p in processed for r in p.core_requests]
         try:
-            await self.call(lambda core: core.add_requests(core_reqs))
+            def add(core: Any) -> None:
+                admitted()
+                core.add_requests(core_reqs)
+
+            await self.call(add)
         except BaseException:
             # Not added (validation in the core), or the caller went away: forget them here and in the core.
             self.abort(ids)
@@ -312,6 +350,7 @@ class AsyncLLMEngine:
     def _engine_loop(self) -> None:
         core = self.core
         trimmed = False  # the heap freed since the last step has been handed back
+        idle = True  # no request since the last step (or ever): nobody waits while the engine waits
         while True:
             # Clear before draining: a command queued after the drain sets the event again, so the waits
             # below cannot sleep through it.
@@ -327,8 +366,13 @@ class AsyncLLMEngine:
                     release_free_memory()
                     trimmed = True
                 self._wakeup.wait()
+                idle = True
                 continue
             trimmed = False
+            self._wait_for_admissions(ADMISSION_WAIT_S if idle else min(ADMISSION_WAIT_S, self._last_step_s))
+            idle = False
+            if self._closed:
+                return
             self._busy_since = time.monotonic()
             try:
                 outputs = core.step()
@@ -344,6 +388,7 @@ class AsyncLLMEngine:
                 self._to_loop(self._fail_streams, f"engine step failed: {type(exc).__name__}: {exc}", False)
                 continue
             finally:
+                self._last_step_s = time.monotonic() - self._busy_since
                 self._busy_since = None
             self._take_snapshot()
             if outputs:
@@ -351,6 +396,17 @@ class AsyncLLMEngine:
             else:
                 # A prefill chunk yields nothing; this short wait only guards against a spinning empty plan.
                 self._wakeup.wait(0.0005)
+
+    def _wait_for_admissions(self, budget_s: float) -> None:
+        # Sleeps until no request is on its way in (tokenizing), for at most budget_s; adds those that arrive.
+        deadline = time.monotonic() + budget_s
+        while self._admitting > 0 and not self._closed:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            self._wakeup.wait(left)
+            self._wakeup.clear()
+            self._run_commands()
 
     def _run_commands(self) -> None:
         while True:

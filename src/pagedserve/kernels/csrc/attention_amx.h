@@ -203,9 +203,10 @@ inline void attend_group_amx(const Tile& t, const AmxBuffers& b, int64_t x, cons
   }
 }
 
-// attend_tile for the AMX case: writes the tile's float32 outputs to o (rows x head_dim).
+// attend_tile for the AMX case: writes the tile's float32 outputs to o (rows x head_dim), and when lse is set
+// their log-sum-exps.
 template <typename CT>
-void attend_tile_amx(const Tile& t, float* o, std::vector<float>& work) {
+void attend_tile_amx(const Tile& t, float* o, float* lse, std::vector<float>& work) {
   const int64_t D = t.head_dim, rph = rows_per_head(t), padded_rph = (rph + 15) / 16 * 16;
   const AmxBuffers b = amx_buffers(t, work);
   prepare_rows(t, b, padded_rph);
@@ -221,5 +222,6 @@ void attend_tile_amx(const Tile& t, float* o, std::vector<float>& work) {
   });
   _tile_release();
   for (int64_t h = 0; h < t.kv_heads; ++h)
-    normalize_rows(b.acc + h * padded_rph * D, b.l + h * padded_rph, rph, D, o + h * rph * D);
+    normalize_rows(b.acc + h * padded_rph * D, b.m + h * padded_rph, b.l + h * padded_rph, rph, D, o + h * rph * D,
+                   lse != nullptr ? lse + h * rph : nullptr);
 }

@@ -149,8 +149,8 @@ inline void accumulate_pv_n(int nr, float* acc, const float* p, const float* cor
 // block, whose first slot is slot0), prefetching ahead at each block's start.
 template <bool Ahead = true, typename F>
 inline void for_each_sub_block(const Tile& t, F&& f) {
-  const int64_t last_pos = t.pos0 + t.n_q - 1, bs = t.block_size;
-  for (int64_t kp0 = 0; kp0 <= last_pos;) {
+  const int64_t last_pos = last_key(t), bs = t.block_size;
+  for (int64_t kp0 = t.key_begin; kp0 <= last_pos;) {
     const int64_t nk = std::min<int64_t>({16, bs - kp0 % bs, last_pos + 1 - kp0});
     if (Ahead && kp0 % bs == 0) prefetch_ahead(t, kp0 / bs, last_pos);
     f(kp0, nk, t.table[kp0 / bs] * bs + kp0 % bs);
@@ -229,10 +229,10 @@ void attend_rows_direct(const Tile& t, const float* q, float* acc, float* m, flo
   float corr[NR];
   alignas(64) float scales[16] = {};  // 8-bit rows' scales; lanes past nk keep finite values
   __m512 part[NR][16];  // part[r][j]: q_r * k_j lane by lane, summed over the row's NV vectors
-  const int64_t last_pos = t.pos0 + t.n_q - 1, bs = t.block_size;
+  const int64_t last_pos = last_key(t), bs = t.block_size;
   for_each_sub_block<false>(t, [&](int64_t kp0, int64_t nk, int64_t slot0) {
-    if (kp0 == 0)
-      for (int64_t i = 1; i < kPrefetchBlocks; ++i) prefetch_block(t, i, last_pos);
+    if (kp0 == t.key_begin)
+      for (int64_t i = 1; i < kPrefetchBlocks; ++i) prefetch_block(t, kp0 / bs + i, last_pos);
     // The same slots kPrefetchBlocks blocks ahead, requested row by row as this sub-block's rows are read
     // (see prefetch_rows).
     const int64_t ahead = kp0 / bs + kPrefetchBlocks;
@@ -270,7 +270,7 @@ void attend_rows_direct(const Tile& t, const float* q, float* acc, float* m, flo
 }
 
 template <int NV, typename CT>
-void attend_rows_avx512(const Tile& t, const float* q, float* o, std::vector<float>& scratch) {
+void attend_rows_avx512(const Tile& t, const float* q, float* o, float* lse, std::vector<float>& scratch) {
   constexpr int D = 16 * NV;
   const int64_t rph = rows_per_head(t), rows = rph * t.kv_heads;
   scratch.assign(16 + rows * (D + 2) + (rph > kDirectRows ? transposed_buffer<NV, CT>(t) : 0), 0.f);
@@ -285,5 +285,5 @@ void attend_rows_avx512(const Tile& t, const float* q, float* o, std::vector<flo
     case kDirectRows: attend_rows_direct<kDirectRows, NV, CT>(t, q, acc, m, l); break;
     default: attend_rows_transposed<NV, CT>(t, q, acc, m, l, l + rows); break;
   }
-  normalize_rows(acc, l, rows, D, o);
+  normalize_rows(acc, m, l, rows, D, o, lse);
 }

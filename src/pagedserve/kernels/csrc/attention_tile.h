@@ -9,6 +9,10 @@
 // path converts in registers where it can (attention_avx512.h). Both prefetch two blocks ahead. In the amx
 // variant, tiles of bf16 queries with more than 4 rows per kv head (prefill) multiply on AMX tiles instead
 // (attention_amx.h): bf16 products, float32 sums and softmax.
+//
+// A tile may walk only part of the keys, [key_begin, key_end), and leave a partial result: its float32
+// outputs and each row's log-sum-exp (m + log l), which the caller merges with the other parts of the same
+// rows (paged_attention.cpp: decode sequences that share their leading blocks read them once, together).
 #pragma once
 
 #include <algorithm>
@@ -40,6 +44,11 @@ struct Tile {
   int64_t block_size, head_dim, group, kv_heads;
   int64_t pos0, n_q;        // position of the tile's first query token, number of tokens
   float scale;
+  int64_t key_begin = 0;    // the keys walked, [key_begin, key_end): key_begin is a block's first position,
+  int64_t key_end = 0;      // key_end at most pos0 + n_q (every key a row may see: causal)
+  float* part = nullptr;    // when set: float32 outputs go here (o_*_stride apart) instead of out,
+  float* lse = nullptr;     // and each row's log-sum-exp here (lse_tok_stride per token, 1 per head)
+  int64_t lse_tok_stride = 0;
 };
 
 // Per-thread buffers, reused across the thread's work items.
@@ -51,6 +60,8 @@ struct TileScratch {
 constexpr float kMinScore = -std::numeric_limits<float>::max();  // finite: built with -ffast-math
 
 inline int64_t rows_per_head(const Tile& t) { return t.n_q * t.group; }
+
+inline int64_t last_key(const Tile& t) { return t.key_end - 1; }
 
 template <typename QT>
 inline void load_queries(const Tile& t, float* q) {
@@ -64,22 +75,32 @@ inline void load_queries(const Tile& t, float* q) {
       }
 }
 
+// The tile's output rows o (and, for a partial tile, their log-sum-exps) to out, or to part and lse.
 template <typename QT>
-inline void store_outputs(const Tile& t, const float* o) {
-  QT* base = static_cast<QT*>(t.out);
+inline void store_outputs(const Tile& t, const float* o, const float* lse) {
   for (int64_t h = 0; h < t.kv_heads; ++h)
     for (int64_t i = 0; i < t.n_q; ++i)
       for (int64_t g = 0; g < t.group; ++g) {
-        const float* src = o + ((h * t.n_q + i) * t.group + g) * t.head_dim;
-        QT* dst = base + i * t.o_tok_stride + (h * t.group + g) * t.o_head_stride;
+        const int64_t row = (h * t.n_q + i) * t.group + g, at = i * t.o_tok_stride + (h * t.group + g) * t.o_head_stride;
+        const float* src = o + row * t.head_dim;
+        if (t.part != nullptr) {
+          std::copy(src, src + t.head_dim, t.part + at);
+          t.lse[i * t.lse_tok_stride + h * t.group + g] = lse[row];
+          continue;
+        }
+        QT* dst = static_cast<QT*>(t.out) + at;
         for (int64_t d = 0; d < t.head_dim; ++d) dst[d] = from_float<QT>(src[d]);
       }
 }
 
-inline void normalize_rows(const float* acc, const float* l, int64_t rows, int64_t hd, float* o) {
+// o = acc / l per row, and when lse is set, each row's log-sum-exp m + log l (a row that saw no key has l = 0:
+// its lse is kMinScore, so that a merge gives it no weight).
+inline void normalize_rows(const float* acc, const float* m, const float* l, int64_t rows, int64_t hd, float* o,
+                           float* lse) {
   for (int64_t r = 0; r < rows; ++r) {
-    const float inv = 1.f / l[r];
+    const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
     for (int64_t d = 0; d < hd; ++d) o[r * hd + d] = acc[r * hd + d] * inv;
+    if (lse != nullptr) lse[r] = l[r] > 0.f ? m[r] + std::log(l[r]) : kMinScore;
   }
 }
 
@@ -134,20 +155,20 @@ inline void prefetch_rows(const Tile& t, int64_t at) {
   }
 }
 
-// Called as the tile reaches block b. Blocks are scattered, so the hardware prefetcher cannot follow a
+// Called as the tile reaches block b (first: the walk's first block). Blocks are scattered, so the hardware prefetcher cannot follow a
 // sequence from one block to the next, and in decode the cache is cold (the step's weights evicted it since
 // the previous layer read it): without requests this far ahead the kernel waits on memory latency instead of
 // streaming. Block 0 is read on demand; the tile's first blocks are requested together.
 inline void prefetch_ahead(const Tile& t, int64_t b, int64_t last_pos) {
-  if (b == 0)
-    for (int64_t i = 1; i < kPrefetchBlocks; ++i) prefetch_block(t, i, last_pos);
+  if (b * t.block_size == t.key_begin)
+    for (int64_t i = 1; i < kPrefetchBlocks; ++i) prefetch_block(t, b + i, last_pos);
   prefetch_block(t, b + kPrefetchBlocks, last_pos);
 }
 
 // Portable path: plain loops the compiler vectorizes; any head_dim, any block size. q: the tile's scaled
-// query rows; o: receives its output rows.
+// query rows; o: receives its output rows (lse, when set, their log-sum-exps).
 template <typename CT>
-inline void attend_rows_generic(const Tile& t, const float* q, float* o, std::vector<float>& scratch) {
+inline void attend_rows_generic(const Tile& t, const float* q, float* o, float* lse, std::vector<float>& scratch) {
   const int64_t hd = t.head_dim, rows = rows_per_head(t) * t.kv_heads, bs = t.block_size;
   const int64_t kv_buf = std::is_same_v<CT, float> ? 0 : bs * t.kv_heads * hd;
   scratch.assign(rows * hd + rows * bs + rows * 2 + 2 * kv_buf, 0.f);
@@ -158,15 +179,15 @@ inline void attend_rows_generic(const Tile& t, const float* q, float* o, std::ve
   float* k_buf = l + rows;
   float* v_buf = k_buf + kv_buf;
   std::fill(m, m + rows, kMinScore);
-  const int64_t last_pos = t.pos0 + t.n_q - 1;
-  for (int64_t b = 0; b <= last_pos / bs; ++b) {
+  const int64_t last_pos = last_key(t);
+  for (int64_t b = t.key_begin / bs; b <= last_pos / bs; ++b) {
     const int64_t kp0 = b * bs, n = std::min(bs, last_pos + 1 - kp0);
     prefetch_ahead(t, b, last_pos);
     int64_t ks, vs;
     const float* kb = kv_rows<CT>(t, t.k_cache, t.table[b] * bs, n, k_buf, ks);
     const float* vb = kv_rows<CT>(t, t.v_cache, t.table[b] * bs, n, v_buf, vs);
     for (int64_t r = 0; r < rows; ++r) {
-      const int64_t limit = std::min(bs, t.pos0 + (r / t.group) % t.n_q + 1 - kp0);  // visible keys [0, limit)
+      const int64_t limit = std::min(n, t.pos0 + (r / t.group) % t.n_q + 1 - kp0);  // visible keys [0, limit)
       if (limit <= 0) continue;
       const int64_t head_off = r / rows_per_head(t) * hd;
       float* sr = s + r * bs;
@@ -195,7 +216,7 @@ inline void attend_rows_generic(const Tile& t, const float* q, float* o, std::ve
       }
     }
   }
-  normalize_rows(acc, l, rows, hd, o);
+  normalize_rows(acc, m, l, rows, hd, o, lse);
 }
 
 #if defined(__AVX512F__)
@@ -206,36 +227,38 @@ inline void attend_rows_generic(const Tile& t, const float* q, float* o, std::ve
 #endif
 
 template <typename CT>
-inline void attend_rows(const Tile& t, const float* q, float* o, std::vector<float>& scratch) {
+inline void attend_rows(const Tile& t, const float* q, float* o, float* lse, std::vector<float>& scratch) {
 #if defined(__AVX512F__)
   switch (t.head_dim) {
-    case 64: return attend_rows_avx512<4, CT>(t, q, o, scratch);
-    case 128: return attend_rows_avx512<8, CT>(t, q, o, scratch);
-    case 32: return attend_rows_avx512<2, CT>(t, q, o, scratch);
-    case 96: return attend_rows_avx512<6, CT>(t, q, o, scratch);
+    case 64: return attend_rows_avx512<4, CT>(t, q, o, lse, scratch);
+    case 128: return attend_rows_avx512<8, CT>(t, q, o, lse, scratch);
+    case 32: return attend_rows_avx512<2, CT>(t, q, o, lse, scratch);
+    case 96: return attend_rows_avx512<6, CT>(t, q, o, lse, scratch);
     default: break;
   }
 #endif
-  attend_rows_generic<CT>(t, q, o, scratch);
+  attend_rows_generic<CT>(t, q, o, lse, scratch);
 }
 
 template <typename QT, typename CT>
 inline void attend_tile(const Tile& t, TileScratch& scratch) {
-  const int64_t n = rows_per_head(t) * t.kv_heads * t.head_dim;
-  scratch.io.resize(2 * n);
+  const int64_t rows = rows_per_head(t) * t.kv_heads, n = rows * t.head_dim;
+  scratch.io.resize(2 * n + rows);
   float* q = scratch.io.data();
+  float* o = q + n;
+  float* lse = t.part != nullptr ? o + n : nullptr;
 #if defined(PAGEDSERVE_AMX)
   if constexpr (amx_types_v<QT, CT>) {
     if (amx_applies(t)) {
-      attend_tile_amx<CT>(t, q + n, scratch.work);
-      store_outputs<QT>(t, q + n);
+      attend_tile_amx<CT>(t, o, lse, scratch.work);
+      store_outputs<QT>(t, o, lse);
       return;
     }
   }
 #endif
   load_queries<QT>(t, q);
-  attend_rows<CT>(t, q, q + n, scratch.work);
-  store_outputs<QT>(t, q + n);
+  attend_rows<CT>(t, q, o, lse, scratch.work);
+  store_outputs<QT>(t, o, lse);
 }
 
 }  // namespace pagedserve

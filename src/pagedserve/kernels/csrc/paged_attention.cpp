@@ -13,12 +13,21 @@
 //     m_r' = max(m_r, max_j s[r][j]);  l_r = l_r * e^(m_r - m_r') + sum_j e^(s[r][j] - m_r')
 //     acc_r = acc_r * e^(m_r - m_r') + sum_j e^(s[r][j] - m_r') v_j
 //   out_r = acc_r / l_r
+//
+// Shared prefixes (cascade attention): decode sequences next to each other in the batch whose block tables
+// begin with the same blocks (prefix caching, parallel sampling) read those blocks once, together: one tile
+// holds the group's query rows against each chunk of the shared blocks, and each sequence walks only its
+// own blocks after them. Each part leaves float32 outputs and log-sum-exps, merged per row at the end:
+//   out_r = sum_p e^(lse_p - M) o_p / sum_p e^(lse_p - M),  M = max_p lse_p
+// Decode attention reads each key once per query token otherwise, and is bound by memory bandwidth.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cmath>
 #include <vector>
 
 #include "attention_tile.h"
@@ -29,6 +38,11 @@
 namespace {
 
 constexpr int64_t kTileQ = 16;
+
+// A shared prefix is worth its merge from this many blocks on; a shared tile walks at most kChunkBlocks
+// blocks (so that the group's work splits across threads).
+constexpr int64_t kMinSharedBlocks = 4;
+constexpr int64_t kChunkBlocks = 16;
 
 constexpr const char* kOp = "paged_attention";
 
@@ -107,6 +121,39 @@ void check_inputs(const at::Tensor& query, const at::Tensor& key, const at::Tens
   }
 }
 
+// A run of consecutive decode sequences (one query token each), seq0 .. seq0+n-1, whose block tables begin
+// with the same `blocks` blocks, all wholly before every member's query token.
+struct SharedPrefix {
+  int64_t seq0, n, blocks;
+};
+
+// The runs worth sharing: at least two sequences, at least kMinSharedBlocks blocks. A run grows while the
+// next sequence keeps kMinSharedBlocks of the common blocks; its prefix is what all members have in common.
+std::vector<SharedPrefix> shared_prefixes(const int64_t* qsl, const int64_t* lens, const int64_t* tables,
+                                          int64_t table_width, int64_t num_seqs, int64_t block_size) {
+  std::vector<SharedPrefix> groups;
+  auto decode = [&](int64_t i) { return qsl[i + 1] - qsl[i] == 1; };
+  for (int64_t i = 0; i < num_seqs;) {
+    if (!decode(i)) {
+      ++i;
+      continue;
+    }
+    const int64_t* first = tables + i * table_width;
+    int64_t common = (lens[i] - 1) / block_size, j = i + 1;
+    for (; j < num_seqs && decode(j); ++j) {
+      const int64_t* row = tables + j * table_width;
+      const int64_t limit = std::min(common, (lens[j] - 1) / block_size);
+      int64_t k = 0;
+      while (k < limit && row[k] == first[k]) ++k;
+      if (k < kMinSharedBlocks) break;
+      common = k;
+    }
+    if (j - i >= 2) groups.push_back({i, j - i, common});
+    i = j;
+  }
+  return groups;
+}
+
 // Writes this step's K/V at slot_mapping, then attends every sequence whose query length is at most
 // max_q_len (all of them when max_q_len < 0). Rows of longer sequences are left for the caller.
 // QT: query/key/value/output element type; CT: cache element type (kv_types.h).
@@ -135,62 +182,134 @@ at::Tensor paged_attention_typed(const at::Tensor& query, const at::Tensor& key,
     }
   });
 
-  // 2. Work items: (seq, tile) pairs, then x kv heads.
+  // 2. Work items: one Tile each (attention_tile.h).
   const int64_t num_seqs = seq_lens.numel();
   const int64_t* qsl = query_start_loc.data_ptr<int64_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t table_width = block_tables.size(1);
-  std::vector<int64_t> items;  // seq, first query index in seq, n_q
-  for (int64_t i = 0; i < num_seqs; ++i) {
+  auto in_kernel = [&](int64_t i) {
     const int64_t q_len = qsl[i + 1] - qsl[i];
-    if (q_len == 0 || (max_q_len >= 0 && q_len > max_q_len)) continue;
-    for (int64_t j = 0; j < q_len; j += kTileQ) {
-      items.push_back(i);
-      items.push_back(j);
-      items.push_back(std::min(kTileQ, q_len - j));
-    }
-  }
+    return q_len > 0 && (max_q_len < 0 || q_len <= max_q_len);
+  };
+  const std::vector<SharedPrefix> groups =
+      max_q_len == 0 ? std::vector<SharedPrefix>{} : shared_prefixes(qsl, lens, tables, table_width, num_seqs,
+                                                                      block_size);
   at::Tensor out = at::empty({num_tokens, num_heads, head_dim}, query.options());
-  // A work item takes all kv heads of a tile, so it streams each block's rows contiguously; with too few
-  // tiles to keep every thread busy (single-stream decode) the heads are split across items instead.
-  const int64_t num_tiles = static_cast<int64_t>(items.size() / 3);
-  const int64_t heads_per_item = num_tiles >= 2 * at::get_num_threads() ? num_kv_heads : 1;
-  const int64_t splits = num_kv_heads / heads_per_item;
-#if defined(PAGEDSERVE_AMX)
-  if constexpr (pagedserve::amx_types_v<QT, CT>) pagedserve::require_tile_state(kOp);
-#endif
   const int64_t q_s0 = query.stride(0), q_s1 = query.stride(1);
   const QT* q_base = static_cast<const QT*>(query.data_ptr());
   QT* o_base = static_cast<QT*>(out.data_ptr());
-  at::parallel_for(0, num_tiles * splits, 1, [&](int64_t begin, int64_t end) {
-    pagedserve::TileScratch scratch;
-    for (int64_t w = begin; w < end; ++w) {
-      const int64_t* it = items.data() + (w / splits) * 3;
-      const int64_t seq = it[0], j = it[1], n_q = it[2], h = (w % splits) * heads_per_item;
-      const int64_t tok0 = qsl[seq] + j;
-      pagedserve::Tile t;
-      t.q = q_base + tok0 * q_s0 + h * group * q_s1;
-      t.q_tok_stride = q_s0;
-      t.q_head_stride = q_s1;
-      t.out = o_base + tok0 * out.stride(0) + h * group * out.stride(1);
-      t.o_tok_stride = out.stride(0);
-      t.o_head_stride = out.stride(1);
-      t.k_cache = k_cache + h * row_bytes;
-      t.v_cache = v_cache + h * row_bytes;
-      t.slot_bytes = slot_bytes;
-      t.row_bytes = row_bytes;
-      t.table = tables + seq * table_width;
-      t.block_size = block_size;
-      t.head_dim = head_dim;
-      t.group = group;
-      t.kv_heads = heads_per_item;
-      t.pos0 = lens[seq] - (qsl[seq + 1] - qsl[seq]) + j;
-      t.n_q = n_q;
-      t.scale = static_cast<float>(scale);
-      pagedserve::attend_tile<QT, CT>(t, scratch);
+  // A tile of n_q tokens from token tok0 (of sequence seq, whose block table it reads), kv heads h .. h+nh-1.
+  auto make_tile = [&](int64_t seq, int64_t tok0, int64_t n_q, int64_t h, int64_t nh) {
+    pagedserve::Tile t;
+    t.q = q_base + tok0 * q_s0 + h * group * q_s1;
+    t.q_tok_stride = q_s0;
+    t.q_head_stride = q_s1;
+    t.out = o_base + tok0 * out.stride(0) + h * group * out.stride(1);
+    t.o_tok_stride = out.stride(0);
+    t.o_head_stride = out.stride(1);
+    t.k_cache = k_cache + h * row_bytes;
+    t.v_cache = v_cache + h * row_bytes;
+    t.slot_bytes = slot_bytes;
+    t.row_bytes = row_bytes;
+    t.table = tables + seq * table_width;
+    t.block_size = block_size;
+    t.head_dim = head_dim;
+    t.group = group;
+    t.kv_heads = nh;
+    t.pos0 = lens[seq] - (qsl[seq + 1] - qsl[seq]) + (tok0 - qsl[seq]);
+    t.n_q = n_q;
+    t.scale = static_cast<float>(scale);
+    t.key_end = t.pos0 + n_q;
+    return t;
+  };
+  std::vector<pagedserve::Tile> items;
+  // Shared parts first (the longest items, for the dynamic schedule below). Group g's partial results:
+  // parts[g] = (chunks + 1) slots x n tokens x num_heads rows of head_dim floats (slot `chunks`: the sequences'
+  // own blocks), and as many log-sum-exps.
+  std::vector<std::vector<float>> parts(groups.size()), lses(groups.size());
+  std::vector<bool> grouped(num_seqs, false);
+  const int64_t row_floats = num_heads * head_dim;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    const SharedPrefix& sp = groups[g];
+    const int64_t chunks = (sp.blocks + kChunkBlocks - 1) / kChunkBlocks;
+    parts[g].resize((chunks + 1) * sp.n * row_floats);
+    lses[g].resize((chunks + 1) * sp.n * num_heads);
+    auto as_part = [&](pagedserve::Tile& t, int64_t slot, int64_t member, int64_t h) {
+      t.part = parts[g].data() + (slot * sp.n + member) * row_floats + h * group * head_dim;
+      t.o_tok_stride = row_floats;
+      t.o_head_stride = head_dim;
+      t.lse = lses[g].data() + (slot * sp.n + member) * num_heads + h * group;
+      t.lse_tok_stride = num_heads;
+    };
+    for (int64_t c = 0; c < chunks; ++c)
+      for (int64_t m0 = 0; m0 < sp.n; m0 += kTileQ)
+        for (int64_t h = 0; h < num_kv_heads; ++h) {
+          // Every row sees every key of the chunk: as if the tile's first token sat at the chunk's last key.
+          pagedserve::Tile t = make_tile(sp.seq0, qsl[sp.seq0] + m0, std::min(kTileQ, sp.n - m0), h, 1);
+          t.key_begin = c * kChunkBlocks * block_size;
+          t.key_end = std::min((c + 1) * kChunkBlocks, sp.blocks) * block_size;
+          t.pos0 = t.key_end - 1;
+          as_part(t, c, m0, h);
+          items.push_back(t);
+        }
+    for (int64_t m = 0; m < sp.n; ++m) {
+      const int64_t seq = sp.seq0 + m;
+      grouped[seq] = true;
+      pagedserve::Tile t = make_tile(seq, qsl[seq], 1, 0, num_kv_heads);
+      t.key_begin = sp.blocks * block_size;
+      as_part(t, chunks, m, 0);
+      items.push_back(t);
     }
+  }
+  // The other sequences: tiles of up to kTileQ tokens, x all kv heads, so that a work item streams each
+  // block's rows contiguously; with too few tiles to keep every thread busy (single-stream decode) the heads
+  // are split across items instead.
+  int64_t num_tiles = 0;
+  for (int64_t i = 0; i < num_seqs; ++i)
+    if (in_kernel(i) && !grouped[i]) num_tiles += (qsl[i + 1] - qsl[i] + kTileQ - 1) / kTileQ;
+  const int64_t heads_per_item = num_tiles >= 2 * at::get_num_threads() ? num_kv_heads : 1;
+  for (int64_t i = 0; i < num_seqs; ++i) {
+    if (!in_kernel(i) || grouped[i]) continue;
+    const int64_t q_len = qsl[i + 1] - qsl[i];
+    for (int64_t j = 0; j < q_len; j += kTileQ)
+      for (int64_t h = 0; h < num_kv_heads; h += heads_per_item)
+        items.push_back(make_tile(i, qsl[i] + j, std::min(kTileQ, q_len - j), h, heads_per_item));
+  }
+#if defined(PAGEDSERVE_AMX)
+  if constexpr (pagedserve::amx_types_v<QT, CT>) pagedserve::require_tile_state(kOp);
+#endif
+  // Each thread takes the next item until none is left.
+  const int64_t num_items = static_cast<int64_t>(items.size());
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(num_items, at::get_num_threads()), 1, [&](int64_t, int64_t) {
+    pagedserve::TileScratch scratch;
+    for (int64_t w = next++; w < num_items; w = next++) pagedserve::attend_tile<QT, CT>(items[w], scratch);
   });
+
+  // 3. Merge each grouped token's parts into out.
+  for (size_t g = 0; g < groups.size(); ++g) {
+    const SharedPrefix& sp = groups[g];
+    const int64_t slots = (sp.blocks + kChunkBlocks - 1) / kChunkBlocks + 1;
+    at::parallel_for(0, sp.n * num_heads, 16, [&](int64_t begin, int64_t end) {
+      std::vector<float> acc(head_dim);
+      for (int64_t w = begin; w < end; ++w) {
+        const int64_t m = w / num_heads, hq = w % num_heads;
+        float top = pagedserve::kMinScore;
+        for (int64_t p = 0; p < slots; ++p) top = std::max(top, lses[g][(p * sp.n + m) * num_heads + hq]);
+        std::fill(acc.begin(), acc.end(), 0.f);
+        float total = 0.f;
+        for (int64_t p = 0; p < slots; ++p) {
+          const float wp = std::exp(lses[g][(p * sp.n + m) * num_heads + hq] - top);
+          const float* o = parts[g].data() + (p * sp.n + m) * row_floats + hq * head_dim;
+          for (int64_t d = 0; d < head_dim; ++d) acc[d] += wp * o[d];
+          total += wp;
+        }
+        QT* dst = o_base + qsl[sp.seq0 + m] * out.stride(0) + hq * out.stride(1);
+        for (int64_t d = 0; d < head_dim; ++d) dst[d] = pagedserve::from_float<QT>(acc[d] / total);
+      }
+    });
+  }
   return out;
 }
 
@@ -230,11 +349,37 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key, const
                                   query_start_loc, scale, max_q_len);
 }
 
+// The runs paged_attention shares, as rows (first sequence, sequences, blocks): for tests and benchmarks.
+at::Tensor shared_prefix_groups(const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                                const at::Tensor& query_start_loc, int64_t block_size) {
+  using pagedserve::check_tensor;
+  using pagedserve::Layout;
+  constexpr const char* op = "shared_prefix_groups";
+  check_tensor(block_tables, op, "block_tables", at::kLong, 2, Layout::kContiguous);
+  check_tensor(seq_lens, op, "seq_lens", at::kLong, 1, Layout::kContiguous);
+  check_tensor(query_start_loc, op, "query_start_loc", at::kLong, 1, Layout::kContiguous);
+  const int64_t num_seqs = seq_lens.numel();
+  TORCH_CHECK(block_size > 0 && query_start_loc.numel() == num_seqs + 1 && block_tables.size(0) >= num_seqs, op,
+              ": needs block_size > 0, num_seqs + 1 query_start_loc entries and a block_tables row per sequence");
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  for (int64_t i = 0; i < num_seqs; ++i)
+    TORCH_CHECK(lens[i] >= 1 && (lens[i] - 1) / block_size < block_tables.size(1), op, ": seq_lens[", i, "] = ",
+                lens[i], " does not fit block_tables");
+  const auto groups = shared_prefixes(query_start_loc.data_ptr<int64_t>(), lens, block_tables.data_ptr<int64_t>(),
+                                      block_tables.size(1), num_seqs, block_size);
+  at::Tensor out = at::empty({static_cast<int64_t>(groups.size()), 3}, seq_lens.options());
+  int64_t* o = out.data_ptr<int64_t>();
+  for (const SharedPrefix& g : groups) *o++ = g.seq0, *o++ = g.n, *o++ = g.blocks;
+  return out;
+}
+
 }  // namespace
 
 PAGEDSERVE_LIBRARY(m) {
   m.def("paged_attention(Tensor query, Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping, "
         "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale, int max_q_len) -> Tensor");
   m.impl("paged_attention", c10::DispatchKey::CPU, paged_attention);
+  m.def("shared_prefix_groups(Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, int block_size) "
+        "-> Tensor", &shared_prefix_groups);
   m.def("compiled_isa() -> str", &pagedserve::compiled_isa);
 }
