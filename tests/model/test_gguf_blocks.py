@@ -143,10 +143,35 @@ def test_amx_kernel_matches_bf16_reference(qtype, cols: int) -> None:
         assert y.dtype == torch.bfloat16 and torch.equal(y, y32.bfloat16())
     assert torch.equal(AMX_OPS.gemm_gguf_amx(x[:3], w, int(qtype), None, torch.float32),
                        AMX_OPS.gemm_gguf_amx(x[:3], w, int(qtype), torch.zeros(rows), torch.float32))
+    assert torch.equal(AMX_OPS.dequant_gguf_bf16(w, int(qtype)), ref.bfloat16())
     with pytest.raises(RuntimeError, match="GGML type 2 has no AMX kernel"):
         AMX_OPS.gemm_gguf_amx(x[:1, :32], torch.zeros(4, 18, dtype=torch.uint8), 2, None)
     with pytest.raises(RuntimeError, match="x must be BFloat16"):
         AMX_OPS.gemm_gguf_amx(x[:1].float(), w, int(qtype), None)
+
+
+@pytest.mark.skipif(AMX_OPS is None, reason="needs the amx kernel variant (a CPU with AMX)")
+@pytest.mark.parametrize("qtype", [T.Q4_1, T.Q8_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("rows,cols", [(40, 576), (8200, 576)])  # 8,200 x 576: rebuilt in two parts
+def test_amx_kernel_many_rows_through_torch_gemm(qtype, rows: int, cols: int) -> None:
+    # From 256 rows of x on, a bf16 result comes from the weight rebuilt as bf16 and torch's GEMM: float32 sums
+    # in another order, rounded to bf16 once, and the bias added in bf16.
+    rng = np.random.default_rng(int(qtype))
+    raw = random_blocks(qtype, rows, cols, rng)
+    w = torch.from_numpy(raw.copy())
+    ref = reference(raw, qtype).bfloat16().float()
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(300, cols, generator=gen).bfloat16()
+    bias = torch.randn(rows, generator=gen).bfloat16()
+    for m in (256, 300):
+        exact = x[:m].float() @ ref.T
+        y = AMX_OPS.gemm_gguf_amx(x[:m], w, int(qtype), bias)
+        assert y.dtype == torch.bfloat16 and y.shape == (m, rows)
+        # |error| <= the bf16 rounding of the sum and of the bias add (2^-8 relative each, with headroom)
+        bound = 2 ** -7 * (exact.abs() + bias.float().abs()) + 1e-3 * exact.abs().max()
+        assert ((y.float() - (exact + bias.float())).abs() <= bound).all()
+        assert torch.equal(AMX_OPS.gemm_gguf_amx(x[:m], w, int(qtype), None),
+                           torch.nn.functional.linear(x[:m], ref.bfloat16()))
 
 
 @pytest.mark.parametrize("isa_name", ISAS)

@@ -1,5 +1,6 @@
 // AVX-512 tile for head_dim = 16 * NV. Included by attention_tile.h, inside namespace pagedserve, only
-// when the compiler targets AVX-512 (the avx512 variant; pagedserve/kernels/isa.py).
+// when the compiler targets AVX-512 (the avx512 variant; pagedserve/kernels/isa.py). transpose16 comes from
+// simd_transpose.h, which attention_tile.h includes first.
 #pragma once
 
 // Keys go 16 at a time (one sub-block, inside one block); p = exp(s - m) for 16 keys in one vector, and
@@ -28,30 +29,6 @@ inline __m512 exp512(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
   p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
   return _mm512_scalef_ps(p, n);
-}
-
-// in: 16 rows of 16 floats; out[c] = column c.
-inline void transpose16(const __m512* in, __m512* out) {
-  __m512 t[16], u[16];
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_ps(in[2 * i], in[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_ps(in[2 * i], in[2 * i + 1]);
-  }
-  for (int i = 0; i < 4; ++i) {
-    u[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
-    u[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
-    u[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
-    u[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
-  }
-  for (int c = 0; c < 4; ++c) {
-    const __m512 x0 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0x88), y0 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0xDD);
-    const __m512 x1 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0x88);
-    const __m512 y1 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0xDD);
-    out[c] = _mm512_shuffle_f32x4(x0, x1, 0x88);
-    out[8 + c] = _mm512_shuffle_f32x4(x0, x1, 0xDD);
-    out[4 + c] = _mm512_shuffle_f32x4(y0, y1, 0x88);
-    out[12 + c] = _mm512_shuffle_f32x4(y0, y1, 0xDD);
-  }
 }
 
 // 16 elements of a cache row -> float32, before the row's simd_scale (kv_types.h).

@@ -28,6 +28,7 @@
 
 #include "amx_state.h"
 #include "kv_types.h"
+#include "simd_transpose.h"
 
 namespace pagedserve {
 

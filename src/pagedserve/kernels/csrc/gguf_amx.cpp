@@ -16,12 +16,17 @@
 // with zero rows) against them, two at a time: 2 A x 2 B -> 4 C tiles. Rows of w past N are zero rows of the
 // buffer, so N need not be a multiple of 16.
 // With at most two tiles of x (decode batches of up to 32 sequences) the rows are rebuilt one block column at
-// a time instead, into a 2 KB buffer that stays in L1 (stream_pass). Measured per shape at 16 rows of x, 2
+// a time instead, into a 2 KB buffer that stays in L1 (stream_pass).
+// From kDenseRows rows of x on (prefill), with a bf16 result, the weight is rebuilt whole as bf16 instead
+// (dequant_gguf_bf16: the same values) and multiplied by torch's bf16 GEMM (oneDNN, on AMX): 1.0-1.5x faster at
+// 256 rows and 1.5-1.9x at 512 on the embedded model's shapes, rebuild included (benchmarks/README.md, "Prefill
+// GEMM through oneDNN"). Its sums are float32 too, in another order, and the bias is added in bf16. Measured per shape at 16 rows of x, 2
 // threads, weights cold: 0.7-0.9x the time of whole-row rebuilds (benchmarks/README.md, "The decode step at
 // 16 sequences").
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/linear.h>
 
 #include "amx_state.h"
 
@@ -39,6 +44,7 @@
 #include "gguf_blocks.h"
 #include "gguf_decode.h"
 #include "ops_library.h"
+#include "simd_transpose.h"
 
 namespace {
 
@@ -46,6 +52,8 @@ using namespace pagedserve::gguf;
 
 constexpr int64_t kRowsPerPass = 32;  // weight rows per buffer: two A tiles
 constexpr int64_t kMaxChunkBlocks = 20;  // block columns per buffer: 32 rows x 640 bf16 = 40 KB
+constexpr int64_t kDenseRows = 256;
+constexpr int64_t kDenseChunk = 4 << 20;  // weights rebuilt at a time (8 MB of bf16): the LM head goes in parts
 
 // Tiles 0-3: C (16 x 16 float32); 4, 5: A (16 weight rows x 32 bf16); 6, 7: B (16 K-pairs x 16 x rows x 2 bf16).
 using pagedserve::TileConfig;
@@ -108,15 +116,17 @@ struct AmxArgs {
 
 template <typename Out>
 void store_tile(const AmxArgs& a, const float* c, int64_t n0, int64_t m0) {
-  // c: 16 weight rows x 16 x rows; y[m0 + j][n0 + i] = c[i][j] (+ bias): column j of c is 16 outputs of row j.
+  // c: 16 weight rows x 16 x rows; y[m0 + j][n0 + i] = c[i][j] (+ bias): column j of c is 16 outputs of row j,
+  // so c is transposed in registers (16 gathers cost about as much as the tile's multiplies at K = 576).
   const int64_t rows = std::min<int64_t>(16, a.m - m0), cols = std::min<int64_t>(16, a.n - n0);
   if (cols <= 0) return;  // the zero rows past N in the last pass
   const __mmask16 valid = static_cast<__mmask16>((1u << cols) - 1);
-  const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                            _mm512_set1_epi32(16));
   const __m512 bias = a.bias ? _mm512_maskz_loadu_ps(valid, a.bias + n0) : _mm512_setzero_ps();
+  __m512 in[16], out[16];
+  for (int i = 0; i < 16; ++i) in[i] = _mm512_load_ps(c + 16 * i);
+  pagedserve::transpose16(in, out);
   for (int64_t j = 0; j < rows; ++j) {
-    const __m512 v = _mm512_add_ps(_mm512_i32gather_ps(column, c + j, 4), bias);
+    const __m512 v = _mm512_add_ps(out[j], bias);
     Out* y = static_cast<Out*>(a.y) + (m0 + j) * a.n + n0;
     if constexpr (std::is_same_v<Out, float>)
       _mm512_mask_storeu_ps(y, valid, v);
@@ -297,6 +307,41 @@ std::vector<uint16_t> x_tiles(const uint16_t* x, int64_t x_stride, int64_t m, in
   return xv;
 }
 
+// Rows r0 .. r1 - 1 of w (k features) as bf16 [r1 - r0, k].
+at::Tensor dequant_rows_bf16(const at::Tensor& w, int64_t type, int64_t r0, int64_t r1, int64_t k) {
+  const int64_t row_bytes = w.size(1);
+  at::Tensor out = at::empty({r1 - r0, k}, w.options().dtype(at::kBFloat16));
+  uint16_t* o = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  const uint8_t* src = w.data_ptr<uint8_t>() + r0 * row_bytes;
+  at::parallel_for(0, r1 - r0, 16, [&](int64_t a, int64_t b) {
+    for (int64_t r = a; r < b; ++r)
+      type == kQ4_1 ? dequant_row_bf16<kQ4_1>(src + r * row_bytes, k / 32, o + r * k)
+                    : dequant_row_bf16<kQ8_0>(src + r * row_bytes, k / 32, o + r * k);
+  });
+  return out;
+}
+
+// y = x W^T (+ bias) in bf16 through torch's GEMM, the weight rebuilt kDenseChunk weights at a time.
+at::Tensor dense_gemm(const at::Tensor& x, const at::Tensor& w, int64_t type, const at::Tensor& bias, int64_t k) {
+  const int64_t n = w.size(0), step = std::max<int64_t>(16, kDenseChunk / k);
+  const at::Tensor b = bias.defined() ? bias.to(at::kBFloat16) : at::Tensor();
+  if (step >= n) return at::linear(x, dequant_rows_bf16(w, type, 0, n, k), b);
+  at::Tensor y = at::empty({x.size(0), n}, x.options());
+  for (int64_t r0 = 0; r0 < n; r0 += step) {
+    const int64_t r1 = std::min(n, r0 + step);
+    y.narrow(1, r0, r1 - r0).copy_(at::linear(x, dequant_rows_bf16(w, type, r0, r1, k),
+                                              b.defined() ? b.narrow(0, r0, r1 - r0) : b));
+  }
+  return y;
+}
+
+// w's rows as bf16 [n, k]: the very values gemm_gguf_amx multiplies.
+at::Tensor dequant_gguf_bf16(const at::Tensor& w, int64_t type) {
+  constexpr const char* op = "dequant_gguf_bf16";
+  TORCH_CHECK(type == kQ4_1 || type == kQ8_0, op, ": GGML type ", type, " not supported; Q4_1 (3), Q8_0 (8)");
+  return dequant_rows_bf16(w, type, 0, w.size(0), features(w, type, op));
+}
+
 at::Tensor gemm_gguf_amx(const at::Tensor& x, const at::Tensor& w, int64_t type, const c10::optional<at::Tensor>& bias,
                          c10::optional<at::ScalarType> dtype) {
   constexpr const char* op = "gemm_gguf_amx";
@@ -314,6 +359,7 @@ at::Tensor gemm_gguf_amx(const at::Tensor& x, const at::Tensor& w, int64_t type,
     bias32 = bias->to(at::kFloat).contiguous();
     pagedserve::check_tensor(bias32, op, "bias", at::kFloat, 1, pagedserve::Layout::kContiguous);
   }
+  if (m >= kDenseRows && out_type == at::kBFloat16 && n > 0) return dense_gemm(x, w, type, bias32, k);
   at::Tensor y = at::empty({m, n}, x.options().dtype(out_type));
   if (m == 0 || n == 0) return y;
   pagedserve::require_tile_state(op);
@@ -334,6 +380,8 @@ at::Tensor gemm_gguf_amx(const at::Tensor& x, const at::Tensor& w, int64_t type,
 PAGEDSERVE_LIBRARY_FRAGMENT(m) {
   m.def("gemm_gguf_amx(Tensor x, Tensor w, int type, Tensor? bias, ScalarType? dtype=None) -> Tensor");
   m.impl("gemm_gguf_amx", c10::DispatchKey::CPU, gemm_gguf_amx);
+  m.def("dequant_gguf_bf16(Tensor w, int type) -> Tensor");
+  m.impl("dequant_gguf_bf16", c10::DispatchKey::CPU, dequant_gguf_bf16);
 }
 
 #endif  // PAGEDSERVE_AMX
