@@ -65,7 +65,7 @@ def test_stack_equals_modules(tmp_path, qtype, dtype) -> None:
         for layer, (a, b) in enumerate(zip(stack_caches, caches)):
             assert torch.equal(a, b), f"{seqs}: layer {layer}'s cache differs"
     # Batches that gguf_linear sends through dequantized tiles run the modules: Q4_K (no vectorized decode
-    # kernel) above 8 rows; Q4_1 above 64 rows, or above 8 in the baseline build, or above 512 of bf16 on AMX.
+    # kernel) above 8 rows; Q4_1 above 64 rows, or above 8 in the baseline build (never for bf16 on AMX).
     ops = kernels.load()
     tiles = [gguf_path(ops, dtype, sum(q for _, q in seqs), (int(qtype),), QUANT_MAX_TOKENS) == "tiles"
              for seqs in BATCHES]

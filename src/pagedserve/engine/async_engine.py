@@ -60,7 +60,7 @@ TOKENIZER_NICENESS = 19
 
 # ... which starves it while steps run back to back: a burst of requests (a wave of 8 chat turns over a 1,000-token
 # system prompt, ~5 ms of tokenizing each) took up to 2 s to reach the engine, one or two per step. So before a
-# step the engine waits for requests still being tokenized (or compiling grammars), sleeping so that the
+# step the engine waits for requests still being tokenized (not for grammars compiling), sleeping so that the
 # tokenizer thread gets the CPU: for up to ADMISSION_WAIT_S when it was idle, and otherwise at most as long as
 # its last step took (the running requests then wait at most one step's time). They join that step together.
 ADMISSION_WAIT_S = 0.05

@@ -82,7 +82,8 @@ inline void store_outputs(const Tile& t, const float* o, const float* lse) {
   for (int64_t h = 0; h < t.kv_heads; ++h)
     for (int64_t i = 0; i < t.n_q; ++i)
       for (int64_t g = 0; g < t.group; ++g) {
-        const int64_t row = (h * t.n_q + i) * t.group + g, at = i * t.o_tok_stride + (h * t.group + g) * t.o_head_stride;
+        const int64_t row = (h * t.n_q + i) * t.group + g;
+        const int64_t at = i * t.o_tok_stride + (h * t.group + g) * t.o_head_stride;
         const float* src = o + row * t.head_dim;
         if (t.part != nullptr) {
           std::copy(src, src + t.head_dim, t.part + at);
@@ -156,10 +157,10 @@ inline void prefetch_rows(const Tile& t, int64_t at) {
   }
 }
 
-// Called as the tile reaches block b (first: the walk's first block). Blocks are scattered, so the hardware prefetcher cannot follow a
-// sequence from one block to the next, and in decode the cache is cold (the step's weights evicted it since
-// the previous layer read it): without requests this far ahead the kernel waits on memory latency instead of
-// streaming. Block 0 is read on demand; the tile's first blocks are requested together.
+// Called as the tile reaches block b (first: the walk's first block). Blocks are scattered, so the hardware
+// prefetcher cannot follow a sequence from one block to the next, and in decode the cache is cold (the step's
+// weights evicted it since the previous layer read it): without requests this far ahead the kernel waits on memory
+// latency instead of streaming. The walk's first block is read on demand; the next ones are requested together.
 inline void prefetch_ahead(const Tile& t, int64_t b, int64_t last_pos) {
   if (b * t.block_size == t.key_begin)
     for (int64_t i = 1; i < kPrefetchBlocks; ++i) prefetch_block(t, b + i, last_pos);

@@ -16,13 +16,14 @@
 // with zero rows) against them, two at a time: 2 A x 2 B -> 4 C tiles. Rows of w past N are zero rows of the
 // buffer, so N need not be a multiple of 16.
 // With at most two tiles of x (decode batches of up to 32 sequences) the rows are rebuilt one block column at
-// a time instead, into a 2 KB buffer that stays in L1 (stream_pass).
-// From kDenseRows rows of x on (prefill), with a bf16 result, the weight is rebuilt whole as bf16 instead
-// (dequant_gguf_bf16: the same values) and multiplied by torch's bf16 GEMM (oneDNN, on AMX): 1.0-1.5x faster at
-// 256 rows and 1.5-1.9x at 512 on the embedded model's shapes, rebuild included (benchmarks/README.md, "Prefill
-// GEMM through oneDNN"). Its sums are float32 too, in another order, and the bias is added in bf16. Measured per shape at 16 rows of x, 2
+// a time instead, into a 2 KB buffer that stays in L1 (stream_pass). Measured per shape at 16 rows of x, 2
 // threads, weights cold: 0.7-0.9x the time of whole-row rebuilds (benchmarks/README.md, "The decode step at
 // 16 sequences").
+// From kDenseRows rows of x on (prefill), with a bf16 result, the weight is rebuilt as bf16 instead
+// (dequant_gguf_bf16: the same values, kDenseChunk weights at a time) and multiplied by torch's bf16 GEMM
+// (oneDNN, on AMX): 1.0-1.5x faster at 256 rows and 1.5-1.9x at 512 on the embedded model's shapes, rebuild
+// included (benchmarks/README.md, "Shared prefixes read once, ..., prefill GEMM through oneDNN"). Its sums are
+// float32 too, in another order, and the bias is added in bf16.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>

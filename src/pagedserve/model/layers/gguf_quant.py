@@ -15,9 +15,8 @@ multiplied by torch's GEMM (bound by arithmetic), so no whole float32 weight eve
 
 bfloat16 activations (--dtype bfloat16, what `auto` picks on CPUs with AMX) give bfloat16 outputs; gemm_gguf
 widens them to float32 once per call. On the `amx` kernel variant, Q4_1 and Q8_0 weights multiply more than
-DECODE_MAX_ROWS_AMX and up to AMX_MAX_ROWS rows through gemm_gguf_amx (csrc/gguf_amx.cpp: blocks rebuilt
-into bf16 AMX tiles: fast for many rows, but for a few rebuilding the blocks costs more than reading them).
-Larger batches dequantize tiles to bfloat16 for torch's bf16 GEMM (oneDNN, AMX where the CPU has it).
+DECODE_MAX_ROWS_AMX rows through gemm_gguf_amx (csrc/gguf_amx.cpp: blocks rebuilt into bf16 AMX tiles, and
+from 256 rows the weight rebuilt as bf16 for torch's bf16 GEMM, oneDNN on AMX).
 """
 from __future__ import annotations
 
@@ -34,10 +33,8 @@ GGUF_BLOCK_TYPES = {2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22
 # Float32 weights one dequantized tile may hold: small next to the model, big enough that torch's GEMM
 # runs at full speed (whole layers of a small model are one tile; the LM head is cut into a few).
 TILE_BYTES = 8 << 20
-# The types gemm_gguf_amx multiplies, and the rows up to which it beats dequantized tiles through oneDNN's
-# bf16 GEMM (measured: benchmarks/README.md, "AMX block GEMM").
+# The types gemm_gguf_amx multiplies (at any number of rows above the decode kernel's).
 AMX_TYPES = (3, 8)
-AMX_MAX_ROWS = 512
 # The types gemm_gguf's vectorized decode kernel takes, and the rows of x up to which it beats, for bf16 x,
 # gemm_gguf_amx and, for float32 x, dequantized float32 tiles + torch's GEMM (measured on the embedded
 # model's shapes, weights cold: benchmarks/README.md, "Decode block GEMM", benchmarks/gguf_gemv.py).
@@ -137,7 +134,7 @@ def gguf_path(ops, dtype: torch.dtype, m: int, qtypes: tuple[int, ...], max_gemv
         max_gemv_rows = DECODE_MAX_ROWS_AMX if amx_takes else DECODE_MAX_ROWS
     if m <= max_gemv_rows:
         return "gemv"
-    return "amx" if amx_takes and m <= AMX_MAX_ROWS else "tiles"
+    return "amx" if amx_takes else "tiles"
 
 
 def gguf_linear(x: torch.Tensor, w: GGUFWeight, bias: torch.Tensor | None, max_gemv_rows: int) -> torch.Tensor:
