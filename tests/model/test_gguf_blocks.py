@@ -154,24 +154,26 @@ def test_amx_kernel_matches_bf16_reference(qtype, cols: int) -> None:
 @pytest.mark.parametrize("qtype", [T.Q4_1, T.Q8_0], ids=lambda t: t.name)
 @pytest.mark.parametrize("rows,cols", [(40, 576), (8200, 576)])  # 8,200 x 576: rebuilt in two parts
 def test_amx_kernel_many_rows_through_torch_gemm(qtype, rows: int, cols: int) -> None:
-    # From 256 rows of x on, a bf16 result comes from the weight rebuilt as bf16 and torch's GEMM: float32 sums
+    # From 512 rows of x on, a bf16 result comes from the weight rebuilt as bf16 and torch's GEMM: float32 sums
     # in another order, rounded to bf16 once, and the bias added in bf16.
     rng = np.random.default_rng(int(qtype))
     raw = random_blocks(qtype, rows, cols, rng)
     w = torch.from_numpy(raw.copy())
     ref = reference(raw, qtype).bfloat16().float()
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(300, cols, generator=gen).bfloat16()
+    x = torch.randn(600, cols, generator=gen).bfloat16()
     bias = torch.randn(rows, generator=gen).bfloat16()
-    for m in (256, 300):
+    for m in (512, 600):
         exact = x[:m].float() @ ref.T
         y = AMX_OPS.gemm_gguf_amx(x[:m], w, int(qtype), bias)
         assert y.dtype == torch.bfloat16 and y.shape == (m, rows)
         # |error| <= the bf16 rounding of the sum and of the bias add (2^-8 relative each, with headroom)
         bound = 2 ** -7 * (exact.abs() + bias.float().abs()) + 1e-3 * exact.abs().max()
         assert ((y.float() - (exact + bias.float())).abs() <= bound).all()
+        parts = (4 << 20) // cols  # rows per rebuilt part (kDenseChunk weights)
         assert torch.equal(AMX_OPS.gemm_gguf_amx(x[:m], w, int(qtype), None),
-                           torch.nn.functional.linear(x[:m], ref.bfloat16()))
+                           torch.cat([torch.nn.functional.linear(x[:m], ref[i:i + parts].bfloat16())
+                                      for i in range(0, rows, parts)], dim=1))
 
 
 @pytest.mark.parametrize("isa_name", ISAS)

@@ -21,8 +21,11 @@
 // 16 sequences").
 // From kDenseRows rows of x on (prefill), with a bf16 result, the weight is rebuilt as bf16 instead
 // (dequant_gguf_bf16: the same values, kDenseChunk weights at a time) and multiplied by torch's bf16 GEMM
-// (oneDNN, on AMX): 1.0-1.5x faster at 256 rows and 1.5-1.9x at 512 on the embedded model's shapes, rebuild
-// included (benchmarks/README.md, "Shared prefixes read once, ..., prefill GEMM through oneDNN"). Its sums are
+// (oneDNN, on AMX): 1.5-1.9x faster at 512 rows on the embedded model's shapes with the weights in cache,
+// rebuild included (benchmarks/README.md, "Shared prefixes read once, ..., prefill GEMM through oneDNN"); the
+// offline LLM (2,048-token budget, steps of 512-1,023 rows) 1.12-1.19x faster. At 256-511 rows (the server's
+// 512-token steps) the tiles serve better: the server took 1.04-1.14x the output tokens/s with the limit at 512
+// instead of 256 in four pairs of runs (benchmarks/README.md, "Prefill GEMM limit (session 9)"). Its sums are
 // float32 too, in another order, and the bias is added in bf16.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -53,7 +56,7 @@ using namespace pagedserve::gguf;
 
 constexpr int64_t kRowsPerPass = 32;  // weight rows per buffer: two A tiles
 constexpr int64_t kMaxChunkBlocks = 20;  // block columns per buffer: 32 rows x 640 bf16 = 40 KB
-constexpr int64_t kDenseRows = 256;
+constexpr int64_t kDenseRows = 512;
 constexpr int64_t kDenseChunk = 4 << 20;  // weights rebuilt at a time (8 MB of bf16): the LM head goes in parts
 
 // Tiles 0-3: C (16 x 16 float32); 4, 5: A (16 weight rows x 32 bf16); 6, 7: B (16 K-pairs x 16 x rows x 2 bf16).

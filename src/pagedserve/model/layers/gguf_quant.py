@@ -16,7 +16,7 @@ multiplied by torch's GEMM (bound by arithmetic), so no whole float32 weight eve
 bfloat16 activations (--dtype bfloat16, what `auto` picks on CPUs with AMX) give bfloat16 outputs; gemm_gguf
 widens them to float32 once per call. On the `amx` kernel variant, Q4_1 and Q8_0 weights multiply more than
 DECODE_MAX_ROWS_AMX rows through gemm_gguf_amx (csrc/gguf_amx.cpp: blocks rebuilt into bf16 AMX tiles, and
-from 256 rows the weight rebuilt as bf16 for torch's bf16 GEMM, oneDNN on AMX).
+from 512 rows the weight rebuilt as bf16 for torch's bf16 GEMM, oneDNN on AMX).
 """
 from __future__ import annotations
 
