@@ -103,7 +103,7 @@ def build_app(engine: AsyncLLMEngine, args: Any) -> FastAPI:
     model_path = getattr(args, "model", None)
     names = list(getattr(args, "served_model_name", None) or []) or [model_path or engine.model_name]
     parser = getattr(args, "tool_call_parser", None) if getattr(args, "enable_auto_tool_choice", False) else None
-    ctx = ServerContext(engine, names, model_path, parser)
+    ctx = ServerContext(engine, names, model_path, parser, getattr(args, "reasoning_parser", None))
     metrics = PrometheusMetrics(engine, ctx.model_name, getattr(args, "metrics_prefix", "pagedserve"))
     app = FastAPI(title="pagedserve", version=__version__)
     app.state.ctx = ctx

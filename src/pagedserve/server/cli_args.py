@@ -8,7 +8,9 @@ from typing import Callable
 
 logger = logging.getLogger("pagedserve.serve")
 
-TOOL_CALL_PARSERS = ("hermes",)  # server/tool_calls.py reads these formats
+# The formats server/tool_parsers.py and server/reasoning.py read (kept here so --help needs no server import).
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "phi4_mini_json", "pythonic")
+REASONING_PARSERS = ("deepseek_r1", "qwen3")
 
 # Server flag defaults (build_app falls back to them for args that lack the flags).
 MAX_SAMPLES_PER_REQUEST = 64
@@ -72,6 +74,8 @@ def add_serve_parser(subparsers, add_engine_args: Callable[[argparse.ArgumentPar
                    help='let the model decide to call tools (tool_choice "auto"); needs --tool-call-parser')
     g.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
                    help="how tool calls are read from the model's text under tool_choice auto")
+    g.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
+                   help="put the model's <think>...</think> text in reasoning_content")
     g.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     p.set_defaults(func=cmd_serve)

@@ -16,6 +16,7 @@ class ServerContext:
     served_model_names: list[str]  # the first is the name responses carry
     model_path: str | None          # --model as given; None for the embedded model
     tool_call_parser: str | None = None  # --tool-call-parser, set with --enable-auto-tool-choice
+    reasoning_parser: str | None = None  # --reasoning-parser
 
     @property
     def model_name(self) -> str:

@@ -266,6 +266,11 @@ class NamedToolChoice(OpenAIRequestModel):
     function: NamedFunction
 
 
+# What the server itself passes to the chat template (or to apply_chat_template around it).
+_TEMPLATE_ARGUMENTS = {"messages", "conversation", "tools", "documents", "add_generation_prompt", "chat_template",
+                       "tokenize", "return_dict", "continue_final_message", "tokenizer_kwargs"}
+
+
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
@@ -276,9 +281,14 @@ class ChatCompletionRequest(_SamplingRequest):
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    documents: list[dict[str, Any]] | None = None  # passed to the chat template, as tools are (RAG templates)
+    chat_template_kwargs: dict[str, Any] | None = None  # more template variables, e.g. {"enable_thinking": false}
 
     @model_validator(mode="after")
     def _check_chat(self) -> ChatCompletionRequest:
+        reserved = sorted(set(self.chat_template_kwargs or ()) & _TEMPLATE_ARGUMENTS)
+        if reserved:
+            raise ValueError(f"chat_template_kwargs must not set {', '.join(reserved)} (the request sets them)")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
         if self.tool_choice not in (None, "none") and not self.tools:
@@ -364,6 +374,7 @@ class ChatChoiceLogprobs(OpenAIBaseModel):
 class ChatResponseMessage(OpenAIBaseModel):
     role: str = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None  # the <think> part, with --reasoning-parser
     tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
@@ -401,6 +412,7 @@ class DeltaToolCall(OpenAIBaseModel):
 class DeltaMessage(OpenAIBaseModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
 

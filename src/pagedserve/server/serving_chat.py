@@ -19,16 +19,15 @@ from pagedserve.server.protocol import (ChatChoice, ChatChoiceLogprobs, ChatComp
                                         ChatTopLogprob, DeltaMessage, UsageInfo)
 from pagedserve.server.streaming import SSE_DONE, SSEResponse, json_response, sse, unless_disconnected
 from pagedserve.server.tool_calls import tool_grammar
-from pagedserve.server.tool_stream import ToolStreamer, final_message
+from pagedserve.server.tool_stream import ChoiceStreamer, final_message
 
 
 def chat_prompt(messages: list[dict[str, Any]], add_generation_prompt: bool, cache_salt: str | None = None,
-                tools: list[dict[str, Any]] | None = None):
+                template_kwargs: dict[str, Any] | None = None):
     # Rendered by the Processor on the tokenizer thread (see AsyncLLMEngine.add_requests). Same steps as
     # LLM.chat, so a greedy chat request here answers exactly as offline.
     def render(processor: Any) -> dict[str, Any]:
-        kwargs = {"tools": tools} if tools else {}
-        prompt = processor.chat_prompt(messages, None, add_generation_prompt, **kwargs)
+        prompt = processor.chat_prompt(messages, None, add_generation_prompt, **(template_kwargs or {}))
         return prompt if cache_salt is None else {**prompt, "cache_salt": cache_salt}
 
     return render
@@ -69,10 +68,14 @@ class OpenAIServingChat:
         params.structured_outputs = tool_grammar(req) or params.structured_outputs
         params.output_kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
         messages = [m.to_template_dict() for m in req.messages]
-        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+        template_kwargs = dict(req.chat_template_kwargs or {})
+        if req.tools:
+            template_kwargs["tools"] = [t.model_dump(exclude_none=True) for t in req.tools]
+        if req.documents:
+            template_kwargs["documents"] = req.documents
         request_id = random_id("chatcmpl")
         stream = await self.ctx.engine.add_request(
-            request_id, chat_prompt(messages, req.add_generation_prompt, req.cache_salt, tools), params)
+            request_id, chat_prompt(messages, req.add_generation_prompt, req.cache_salt, template_kwargs), params)
         created = int(time.time())
         if req.stream:
             return SSEResponse(self._stream(req, stream, request_id, created), on_close=stream.close)
@@ -85,7 +88,8 @@ class OpenAIServingChat:
             logprobs = None
             if req.logprobs and c.logprobs is not None:
                 logprobs = chat_logprobs(c.token_ids, c.logprobs[:len(c.token_ids)], num_top)
-            message, finish_reason = final_message(req, c.text, c.finish_reason)
+            message, finish_reason = final_message(req, c.text, c.finish_reason, self.ctx.tool_call_parser,
+                                                   self.ctx.reasoning_parser)
             choices.append(ChatChoice(index=c.index, message=message, logprobs=logprobs,
                                       finish_reason=finish_reason, stop_reason=c.stop_reason))
         prompt_field = (None if req.prompt_logprobs is None else
@@ -108,7 +112,8 @@ class OpenAIServingChat:
             for i in range(req.n):
                 yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content="")))
             num_prompt_tokens = num_completion_tokens = 0
-            tools = {i: ToolStreamer(req) for i in range(req.n)} if req.tool_mode != "none" else {}
+            streamers = {i: ChoiceStreamer(req, self.ctx.tool_call_parser, self.ctx.reasoning_parser)
+                         for i in range(req.n)}
             async for out in stream:  # DELTA outputs: only what is new since the previous one
                 num_prompt_tokens = len(out.prompt_token_ids)
                 for c in out.outputs:
@@ -116,11 +121,9 @@ class OpenAIServingChat:
                     logprobs = None
                     if req.logprobs and c.logprobs is not None:
                         logprobs = chat_logprobs(c.token_ids, c.logprobs, num_top)
-                    delta, finish_reason = DeltaMessage(content=c.text), c.finish_reason
-                    if c.index in tools:
-                        delta, finish_reason = tools[c.index].delta(c.text, c.finish_reason)
-                    if (not delta.content and not delta.tool_calls and finish_reason is None
-                            and not (logprobs and logprobs.content)):
+                    delta, finish_reason = streamers[c.index].delta(c.text, c.finish_reason)
+                    if (not delta.content and not delta.reasoning_content and not delta.tool_calls
+                            and finish_reason is None and not (logprobs and logprobs.content)):
                         continue
                     yield chunk(ChatStreamChoice(index=c.index, delta=delta, logprobs=logprobs,
                                                  finish_reason=finish_reason, stop_reason=c.stop_reason))

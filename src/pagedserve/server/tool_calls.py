@@ -2,28 +2,19 @@
 
     tool_choice   decoding                                          the text becomes
     "none"        free                                              content
-    "auto"        free (needs --enable-auto-tool-choice)            hermes <tool_call>{...}</tool_call> -> calls
+    "auto"        free (needs --enable-auto-tool-choice)            calls, read by --tool-call-parser
+                                                                    (server/tool_parsers.py)
     "required"    JSON schema: [{"name": one of tools, "arguments": its parameters}, ...]   -> calls
     named         JSON schema: the function's parameters            -> one call (the text is its arguments)
 """
 from __future__ import annotations
 
 import json
-import re
-import uuid
-from dataclasses import dataclass
 
 from pagedserve.sampling_params import StructuredOutputsParams
-from pagedserve.server.protocol import ChatCompletionRequest, FunctionCall, ToolCall
-from pagedserve.server.tool_array import split_calls
+from pagedserve.server.protocol import ChatCompletionRequest
 
-HERMES_START, HERMES_END = "<tool_call>", "</tool_call>"
-_HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 _EMPTY_PARAMETERS = {"type": "object", "properties": {}}
-
-
-def new_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 def tool_grammar(req: ChatCompletionRequest) -> StructuredOutputsParams | None:
@@ -82,51 +73,3 @@ def _hoisted(name: str, params: object, defs: dict) -> object:
     for def_name, sub in own_defs.items():
         defs[f"{name}.{def_name}"] = rewrite(sub)
     return {"$ref": f"#/$defs/{prefix}"}
-
-
-@dataclass(slots=True)
-class ParsedMessage:
-    content: str | None
-    tool_calls: list[ToolCall]
-
-
-def _call(name: str, arguments: object) -> ToolCall:
-    text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-    return ToolCall(id=new_call_id(), function=FunctionCall(name=name, arguments=text))
-
-
-def parse_tool_calls(mode: str, text: str, tool_names: set[str]) -> ParsedMessage:
-    """The message for a finished choice's text. Text that does not parse stays content."""
-    if mode == "required":
-        # The arguments stay the model's own text, as streamed (server/tool_array.py).
-        calls = split_calls(text)
-        return ParsedMessage(text, []) if calls is None else ParsedMessage(None, [_call(n, a) for n, a in calls])
-    if mode == "auto":
-        return parse_hermes(text, tool_names)
-    return ParsedMessage(text, [])
-
-
-def parse_hermes(text: str, tool_names: set[str]) -> ParsedMessage:
-    start = text.find(HERMES_START)
-    if start < 0:
-        return ParsedMessage(text, [])
-    calls = []
-    for body in _HERMES_CALL.findall(text[start:]):
-        try:
-            call = json.loads(body)
-        except ValueError:
-            return ParsedMessage(text, [])
-        if not isinstance(call, dict) or call.get("name") not in tool_names:
-            return ParsedMessage(text, [])
-        calls.append(_call(call["name"], call.get("arguments", call.get("parameters", {}))))
-    if not calls:
-        return ParsedMessage(text, [])
-    return ParsedMessage(text[:start].strip() or None, calls)
-
-
-def held_back(text: str) -> int:
-    """How many trailing characters of streamed text may be the start of <tool_call> (not sent yet)."""
-    for k in range(min(len(HERMES_START) - 1, len(text)), 0, -1):
-        if HERMES_START.startswith(text[-k:]):
-            return k
-    return 0
