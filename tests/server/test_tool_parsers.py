@@ -28,6 +28,8 @@ SAMPLES = [
     # Llama 3.1 / 3.2 JSON tool calling: {"name": ..., "parameters": ...}; <|python_tag|> when special tokens stay.
     ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}',
      None, [("get_weather", {"city": "Paris", "unit": "celsius"})]),
+    ("llama3_json", '{"type": "function", "name": "get_time", "parameters": {"timezone": "UTC"}}',
+     None, [("get_time", {"timezone": "UTC"})]),  # as Llama 3.2 1B / 3B often write it
     ("llama3_json", '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}; '
                     '{"name": "get_time", "parameters": {"timezone": "CET"}}',
      None, [("get_weather", {"city": "Paris"}), ("get_time", {"timezone": "CET"})]),
@@ -37,6 +39,9 @@ SAMPLES = [
      None, [("get_weather", {"city": "Paris", "unit": "celsius"}), ("get_time", {"timezone": "Europe/Paris"})]),
     ("mistral", 'Let me check. [TOOL_CALLS] [{"name": "get_time", "arguments": {}}]',
      "Let me check.", [("get_time", {})]),
+    # Mistral Small 3.2 / Magistral / Devstral (tokenizer v11+): name[ARGS]arguments per call.
+    ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "unit": "celsius"}[TOOL_CALLS]get_time[ARGS]{}',
+     None, [("get_weather", {"city": "Paris", "unit": "celsius"}), ("get_time", {})]),
     # Llama 3.2 (pythonic, as its template's tool prompt asks) and Llama 4 (with its python tags kept).
     ("pythonic", '[get_weather(city="Paris", unit=\'celsius\', days=[1, 2], hourly=True), get_time()]',
      None, [("get_weather", {"city": "Paris", "unit": "celsius", "days": [1, 2], "hourly": True}),
@@ -49,6 +54,8 @@ SAMPLES = [
      None, [("get_weather", {"city": "Paris"})]),
 ]
 
+LAST_TEXT = {parser_name: text for parser_name, text, _, _ in SAMPLES}  # the last sample of each parser
+
 # Text that opens like calls but is not: it stays content, whole and streamed.
 MALFORMED = [
     ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": }\n</tool_call>'),
@@ -56,6 +63,8 @@ MALFORMED = [
     ("llama3_json", '{"answer": 42}'),
     ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris"'),
     ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}'),
+    ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"]'),
+    ("mistral", '[TOOL_CALLS]unknown_tool[ARGS]{}'),
     ("pythonic", '[1, 2, 3] are numbers'),
     ("pythonic", '[get_weather("Paris")]'),
     ("pythonic", '[get_weather(city=open("x"))]'),
@@ -104,8 +113,8 @@ def test_plain_answers_stream_unchanged_and_ids_follow_the_family():
     for name in TOOL_PARSERS:
         for size in CHUNK_SIZES:
             assert stream(name, text, size) == (text, [], False)
-    [(mistral_id, _, _)] = make_tool_parser("mistral", NAMES).extract(SAMPLES[5][1]).calls
-    assert re.fullmatch(r"[A-Za-z0-9]{9}", mistral_id)  # Mistral's templates refuse any other id
+    for call_id, _, _ in make_tool_parser("mistral", NAMES).extract(LAST_TEXT["mistral"]).calls:
+        assert re.fullmatch(r"[A-Za-z0-9]{9}", call_id)  # Mistral's templates refuse any other id
     assert make_tool_parser("hermes", NAMES).extract(SAMPLES[0][1]).calls[0][0].startswith("call_")
     assert set(TOOL_CALL_PARSERS) == set(TOOL_PARSERS) and set(REASONING_PARSERS) == set(REASONING_CLASSES)
 
@@ -140,10 +149,10 @@ ASK = [{"role": "user", "content": "Weather in Paris?"}]
 
 @pytest.mark.parametrize("parser_name, reasoning_parser, text", [
     ("hermes", "qwen3", "<think>\nThe user wants Paris.\n</think>\n\n" + SAMPLES[0][1]),
-    ("llama3_json", None, SAMPLES[3][1]),
-    ("mistral", None, SAMPLES[5][1]),
-    ("pythonic", None, SAMPLES[6][1]),
-    ("phi4_mini_json", "deepseek_r1", "Paris it is.</think>" + SAMPLES[8][1]),
+    ("llama3_json", None, LAST_TEXT["llama3_json"]),
+    ("mistral", None, LAST_TEXT["mistral"]),
+    ("pythonic", None, LAST_TEXT["pythonic"]),
+    ("phi4_mini_json", "deepseek_r1", "Paris it is.</think>" + LAST_TEXT["phi4_mini_json"]),
 ])
 def test_chat_deltas_join_to_the_message(parser_name, reasoning_parser, text):
     # What the chat endpoint streams (OpenAI deltas: id, type and name first, then arguments) and answers.

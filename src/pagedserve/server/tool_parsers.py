@@ -6,6 +6,7 @@ Each family writes calls its own way after (or instead of) some content:
     llama3_json     Llama 3.1 / 3.2 (JSON)       <|python_tag|>{"name": ..., "parameters": {...}}; {...}
                                                  (the tag is optional; without it the message starts with "{")
     mistral         Mistral (tokenizer < v11)    text [TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]
+                    Mistral (tokenizer >= v11)   text [TOOL_CALLS]get_weather[ARGS]{...}[TOOL_CALLS]...
     pythonic        Llama 3.2 / Llama 4          [get_weather(city="Rome"), ...]   (server/tool_pythonic.py)
     phi4_mini_json  Phi-4-mini                   functools[{"name": ..., "arguments": {...}}, ...]
 
@@ -20,6 +21,7 @@ name no known tool, leave the text as content.
 from __future__ import annotations
 
 import random
+import re
 import string
 import uuid
 from dataclasses import dataclass, field
@@ -27,7 +29,7 @@ from typing import ClassVar, Protocol
 
 from pagedserve.server.markers import marker_prefix_len
 from pagedserve.server.tool_pythonic import PYTHON_START, PythonicScanner, parse_pythonic
-from pagedserve.server.tool_scanner import ARRAY, CallEvent, CallScanner, CallSyntax
+from pagedserve.server.tool_scanner import ARRAY, CallEvent, CallScanner, CallSyntax, call_head
 
 
 def new_call_id() -> str:
@@ -174,14 +176,57 @@ class Llama3JsonToolParser(_JsonToolParser):
     markers = ("<|python_tag|>",)
     bare_openings = "{"
     syntax = CallSyntax(("<|python_tag|>", ""), (";", ""), ("", ";"),
-                        CallSyntax.head_for("parameters", "arguments"))
+                        call_head("parameters", "arguments"))
+
+
+# Mistral's tokenizers before v11 write [TOOL_CALLS] and a JSON array; v11 and later (Mistral Small 3.2,
+# Magistral, Devstral) write [TOOL_CALLS]name[ARGS]{arguments} per call.
+_MISTRAL_ARRAY = CallSyntax(("[TOOL_CALLS][",), ARRAY.separators, ARRAY.closings)
+_MISTRAL_V11 = CallSyntax(("",), ("",), ("",), re.compile(r"\[TOOL_CALLS\]\s*([A-Za-z0-9_.\-]+)\s*\[ARGS\]"),
+                          head_start="[", in_object=False)
+
+
+@dataclass(slots=True)
+class _MistralScanner:
+    """Reads whichever of the two formats the text turns out to be (the character after [TOOL_CALLS] tells)."""
+    known_names: set[str]
+    text: str = ""
+    inner: CallScanner | None = None
+
+    @property
+    def names(self) -> list[str]:
+        return [] if self.inner is None else self.inner.names
+
+    @property
+    def arguments(self) -> list[str]:
+        return [] if self.inner is None else self.inner.arguments
+
+    @property
+    def complete(self) -> bool:
+        return self.inner is not None and self.inner.complete
+
+    @property
+    def invalid(self) -> bool:
+        return self.inner is not None and self.inner.invalid
+
+    def feed(self, text: str) -> list[CallEvent]:
+        if self.inner is not None:
+            return self.inner.feed(text)
+        self.text += text
+        after = self.text.lstrip()[len("[TOOL_CALLS]"):].lstrip()
+        if not after:
+            return []
+        self.inner = CallScanner(_MISTRAL_ARRAY if after[0] == "[" else _MISTRAL_V11, self.known_names)
+        return self.inner.feed(self.text)
 
 
 @register
-class MistralToolParser(_JsonToolParser):
+class MistralToolParser(ToolParser):
     name = "mistral"
     markers = ("[TOOL_CALLS]",)
-    syntax = CallSyntax(("[TOOL_CALLS][",), ARRAY.separators, ARRAY.closings)
+
+    def new_scanner(self) -> Scanner:
+        return _MistralScanner(self.tool_names)
 
     def new_call_id(self) -> str:
         # Mistral's chat templates accept only 9-character alphanumeric tool call ids.

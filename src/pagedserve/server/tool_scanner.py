@@ -18,17 +18,22 @@ from dataclasses import dataclass, field
 _MAX_HEAD_CHARS = 4096  # a head this long that still does not match is not a call
 
 
+def call_head(*argument_keys: str) -> re.Pattern:
+    """The start of a call object up to its arguments value: {"name": "f", "arguments": (Llama 3.2 may put
+    "type": "function" first)."""
+    keys = "|".join(re.escape(k) for k in argument_keys)
+    return re.compile(r'\{\s*(?:"type"\s*:\s*"function"\s*,\s*)?"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:'
+                      + keys + r')"\s*:\s*')
+
+
 @dataclass(frozen=True, slots=True)
 class CallSyntax:
     openings: tuple[str, ...]    # before the first object (whitespace removed)
     separators: tuple[str, ...]  # between two objects
     closings: tuple[str, ...]    # after the last one; "" when nothing needs to follow
-    head: re.Pattern = re.compile(r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*')
-
-    @staticmethod
-    def head_for(*argument_keys: str) -> re.Pattern:
-        keys = "|".join(re.escape(k) for k in argument_keys)
-        return re.compile(r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:' + keys + r')"\s*:\s*')
+    head: re.Pattern = call_head("arguments")  # group 1: the name, a JSON string or bare
+    head_start: str = "{"   # the character a call starts with
+    in_object: bool = True  # the arguments are followed by the "}" that closes the call object
 
 
 # The array tool_choice="required" decodes (and Mistral writes after [TOOL_CALLS]).
@@ -79,7 +84,7 @@ class CallScanner:
             self.head += ch
             m = self.syntax.head.fullmatch(self.head)
             if m is not None and not ch.isspace():
-                name = json.loads(m.group(1))
+                name = json.loads(m.group(1)) if m.group(1).startswith('"') else m.group(1)
                 if self.known_names is not None and name not in self.known_names:
                     self.state = "invalid"
                     return
@@ -101,7 +106,7 @@ class CallScanner:
         if ch.isspace():
             return
         before_call = self.syntax.separators if self.names else self.syntax.openings
-        if ch == "{" and self.gap in before_call:
+        if ch == self.syntax.head_start and self.gap in before_call:
             self.state, self.head = "head", ch
             return
         gap = self.gap + ch
@@ -121,7 +126,7 @@ class CallScanner:
         elif not self.in_string and self.depth == 0 and ch in ",} \n\t\r":
             # The end of a scalar value (number, true, false, null): ch belongs to the call object.
             self._end_arguments()
-            if self.state == "tail":
+            if self.state != "invalid":
                 self._step(ch, events)
             return
         self._emit(ch, events)
@@ -149,7 +154,7 @@ class CallScanner:
         except ValueError:
             self.state = "invalid"
             return
-        self.state = "tail"
+        self.state, self.gap = ("tail", "") if self.syntax.in_object else ("gap", "")
 
     def _emit(self, ch: str, events: list[CallEvent]) -> None:
         index = len(self.names) - 1
