@@ -113,6 +113,8 @@ def test_plain_answers_stream_unchanged_and_ids_follow_the_family():
     for name in TOOL_PARSERS:
         for size in CHUNK_SIZES:
             assert stream(name, text, size) == (text, [], False)
+    # A JSON answer is content as soon as its first key shows it is not a call (not held to the end).
+    assert make_tool_parser("llama3_json", NAMES).feed('{"answer": ').content == '{"answer": '
     for call_id, _, _ in make_tool_parser("mistral", NAMES).extract(LAST_TEXT["mistral"]).calls:
         assert re.fullmatch(r"[A-Za-z0-9]{9}", call_id)  # Mistral's templates refuse any other id
     assert make_tool_parser("hermes", NAMES).extract(SAMPLES[0][1]).calls[0][0].startswith("call_")

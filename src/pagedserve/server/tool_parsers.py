@@ -21,11 +21,12 @@ name no known tool, leave the text as content.
 from __future__ import annotations
 
 import random
-import re
 import string
 import uuid
 from dataclasses import dataclass, field
 from typing import ClassVar, Protocol
+
+import regex
 
 from pagedserve.server.markers import marker_prefix_len
 from pagedserve.server.tool_pythonic import PYTHON_START, PythonicScanner, parse_pythonic
@@ -182,7 +183,7 @@ class Llama3JsonToolParser(_JsonToolParser):
 # Mistral's tokenizers before v11 write [TOOL_CALLS] and a JSON array; v11 and later (Mistral Small 3.2,
 # Magistral, Devstral) write [TOOL_CALLS]name[ARGS]{arguments} per call.
 _MISTRAL_ARRAY = CallSyntax(("[TOOL_CALLS][",), ARRAY.separators, ARRAY.closings)
-_MISTRAL_V11 = CallSyntax(("",), ("",), ("",), re.compile(r"\[TOOL_CALLS\]\s*([A-Za-z0-9_.\-]+)\s*\[ARGS\]"),
+_MISTRAL_V11 = CallSyntax(("",), ("",), ("",), regex.compile(r"\[TOOL_CALLS\]\s*([A-Za-z0-9_.\-]+)\s*\[ARGS\]"),
                           head_start="[", in_object=False)
 
 

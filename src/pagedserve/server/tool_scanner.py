@@ -12,17 +12,18 @@ makes the scan invalid, as does a name that is not one of the tools.
 from __future__ import annotations
 
 import json
-import re
+
+import regex
 from dataclasses import dataclass, field
 
 _MAX_HEAD_CHARS = 4096  # a head this long that still does not match is not a call
 
 
-def call_head(*argument_keys: str) -> re.Pattern:
+def call_head(*argument_keys: str) -> regex.Pattern:
     """The start of a call object up to its arguments value: {"name": "f", "arguments": (Llama 3.2 may put
     "type": "function" first)."""
-    keys = "|".join(re.escape(k) for k in argument_keys)
-    return re.compile(r'\{\s*(?:"type"\s*:\s*"function"\s*,\s*)?"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:'
+    keys = "|".join(regex.escape(k) for k in argument_keys)
+    return regex.compile(r'\{\s*(?:"type"\s*:\s*"function"\s*,\s*)?"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:'
                       + keys + r')"\s*:\s*')
 
 
@@ -31,7 +32,7 @@ class CallSyntax:
     openings: tuple[str, ...]    # before the first object (whitespace removed)
     separators: tuple[str, ...]  # between two objects
     closings: tuple[str, ...]    # after the last one; "" when nothing needs to follow
-    head: re.Pattern = call_head("arguments")  # group 1: the name, a JSON string or bare
+    head: regex.Pattern = call_head("arguments")  # group 1: the name, a JSON string or bare
     head_start: str = "{"   # the character a call starts with
     in_object: bool = True  # the arguments are followed by the "}" that closes the call object
 
@@ -82,8 +83,11 @@ class CallScanner:
             self._gap_char(ch)
         elif self.state == "head":
             self.head += ch
-            m = self.syntax.head.fullmatch(self.head)
-            if m is not None and not ch.isspace():
+            # A head that can no longer become one (a JSON answer such as {"answer": 42}) ends the scan at once.
+            m = self.syntax.head.fullmatch(self.head, partial=True)
+            if m is None:
+                self.state = "invalid"
+            elif not m.partial and not ch.isspace():
                 name = json.loads(m.group(1)) if m.group(1).startswith('"') else m.group(1)
                 if self.known_names is not None and name not in self.known_names:
                     self.state = "invalid"
