@@ -10,8 +10,8 @@ Each family writes calls its own way after (or instead of) some content:
     pythonic        Llama 3.2 / Llama 4          [get_weather(city="Rome"), ...]   (server/tool_pythonic.py)
     phi4_mini_json  Phi-4-mini                   functools[{"name": ..., "arguments": {...}}, ...]
 
-Gemma 2 / 3 chat templates define no tool-call format, and neither does Phi-3's (Phi-4-mini's template only
-carries the tool list in <|tool|>...<|/tool|>; its call format, functools[...], comes from the model card).
+Gemma 2 / 3 chat templates define no tool-call format, and neither does Phi-3's. Phi-4-mini's template only
+carries the tool list (<|tool|>...<|/tool|>); functools[...] is the call format vLLM's phi4_mini_json reads.
 
 A parser reads one choice: feed() takes the text as it comes and returns content (streamed until a call may
 be starting; a partial marker and trailing whitespace are held back) and call events (a call's name, then
