@@ -3,8 +3,8 @@
 
     python benchmarks/draft_cost.py --num-threads 1
 
-On AVX2 without AVX-512 the Q4_1 block kernel has no vector path (kernels/csrc/quant_gemm.cpp), while the
-Q8_0 one auto-vectorizes: a Q8_0 copy of the same weights is what draft_model's "quantization": "int8" runs.
+The target runs the file's Q4_1 blocks; draft_model's "quantization": "int8" runs a Q8_0 copy of the same
+weights (model/weight_quant.py); both through gemm_gguf.
 """
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ import time
 import torch
 
 from pagedserve import kernels
-from pagedserve.model.layers.quant import quantize_q8_0
 from pagedserve.model.loader import load_model
+from pagedserve.model.weight_quant import quantize_q8_0
 
 
 def best_us(fns: dict, reps: int) -> dict:
@@ -38,18 +38,19 @@ def main() -> None:
     ops = kernels.load()
     if ops is None:
         raise SystemExit("the compiled kernels are unavailable here")
-    model = load_model(None, quantization="none").model
+    model = load_model(None, quantization="gguf").model
     layer = model.model.layers[0]
     print("isa", kernels.selected_isa(), "load", os.getloadavg())
     for name, m in layer.named_modules():
-        if getattr(m, "exact_blocks", None) is None or m.exact_blocks[0] != "q4_1":
+        if getattr(m, "exact_blocks", None) is None or m.exact_blocks[1].qtypes != (3,):  # Q4_1
             continue
-        w, (qs, dm) = m.weight, m.exact_blocks[1]
-        q8 = quantize_q8_0(w)
+        q4 = m.exact_blocks[1].parts[0]
+        w = ops.dequant_gguf(q4, 3)
+        q8 = quantize_q8_0(w).parts[0]
         for rows in (1, 5):
             x = torch.randn(rows, w.shape[1])
-            us = best_us({"q4_1 (target)": lambda: ops.gemm_q4_1(x, qs, dm, None),
-                          "q8_0 (int8 draft)": lambda: ops.gemm_q8_0(x, *q8, None),
+            us = best_us({"q4_1 (target)": lambda: ops.gemm_gguf(x, q4, 3, None),
+                          "q8_0 (int8 draft)": lambda: ops.gemm_gguf(x, q8, 8, None),
                           "fp32 dense": lambda: torch.nn.functional.linear(x, w)}, args.reps)
             print(f"{name:22s} {tuple(w.shape)} rows={rows}: {us} us")
 

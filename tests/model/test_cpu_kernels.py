@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from pagedserve import kernels
 from pagedserve.kernels import isa
-from pagedserve.model.layers.linear import Linear, find_exact_blocks, onednn_available
+from pagedserve.model.layers.linear import Linear, onednn_available
 from pagedserve.model.layers.norm import RMSNorm
 
 ops = kernels.load()
@@ -157,68 +157,6 @@ def test_linear_stays_float32_when_onednn_would_round() -> None:
         assert "rounds through a lower precision" in out.stderr
 
 
-def _q4_1_weights(n: int, k: int, seed: int = 0) -> torch.Tensor:
-    # fp32 weights the way a GGUF Q4_1 file yields them: per block of 32, fp16 d and m, w = d * q + m.
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(n * k // 32, 32, generator=gen) * 0.05
-    lo, hi = x.amin(1, keepdim=True), x.amax(1, keepdim=True)
-    d = ((hi - lo) / 15).half().float()
-    m = lo.half().float()
-    q = torch.round((x - m) / d).clamp(0, 15)
-    return (d * q + m).reshape(n, k)
-
-
-def _q8_0_weights(n: int, k: int, seed: int = 0) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(n * k // 32, 32, generator=gen) * 0.05
-    d = (x.abs().amax(1, keepdim=True) / 127).half().float()
-    return (d * torch.round(x / d).clamp(-127, 127)).reshape(n, k)
-
-
-@pytest.mark.parametrize("isa_name", ISAS or [None])
-def test_exact_block_recovery(isa_name: str | None) -> None:
-    from pagedserve.model.layers.quant import find_q4_1, find_q8_0
-
-    w4, w8 = _q4_1_weights(64, 96), _q8_0_weights(64, 96)
-    qs, dm = find_q4_1(w4)
-    q = qs.view(64, 3, 16)
-    rebuilt = dm[..., :1] * torch.cat((q & 15, q >> 4), dim=-1).float() + dm[..., 1:]
-    assert torch.equal(rebuilt.reshape(64, 96), w4)
-    qs8, d8 = find_q8_0(w8)
-    assert torch.equal((d8.unsqueeze(-1) * qs8.view(64, 3, 32).float()).reshape(64, 96), w8)
-    # Plain fp32 weights are not block values: no lossy copy is ever made.
-    dense = torch.randn(64, 96)
-    assert find_q4_1(dense) is None and find_q8_0(dense) is None
-    assert find_q4_1(w4[:, :40].contiguous()) is None  # K not a multiple of the block
-    if isa_name is None:
-        return
-    with kernels.use_isa(isa_name):  # the compiled search finds the same blocks
-        for w, fmt, expected in ((w4, "q4_1", (qs, dm)), (w8, "q8_0", (qs8, d8))):
-            got = find_exact_blocks(w, (fmt,))
-            assert got is not None and all(torch.equal(a, b) for a, b in zip(got[1], expected))
-            assert find_exact_blocks(dense, (fmt,)) is None
-        assert find_exact_blocks(w8)[0] == "q8_0"  # the default tries both formats
-
-
-@pytest.mark.parametrize("num_tokens", [1, 3, 8, 11])
-def test_quant_gemm_matches_fp32(variant_ops, num_tokens: int) -> None:
-    from pagedserve.model.layers.linear import find_exact_blocks, quant_linear
-
-    gen = torch.Generator().manual_seed(1)
-    w4, w8 = _q4_1_weights(80, 576), _q8_0_weights(48, 576)
-    bias = torch.randn(80, generator=gen)
-    x = torch.randn(num_tokens, 576, generator=gen)
-    for w, fmt, b in ((w4, "q4_1", bias), (w8, "q8_0", None)):
-        blocks = find_exact_blocks(w, (fmt,))
-        assert blocks is not None
-        got = quant_linear(x, blocks, b)
-        if num_tokens > 8:  # above QUANT_MAX_TOKENS the fp32 path runs
-            assert got is None
-            gemm = variant_ops.gemm_q4_1 if fmt == "q4_1" else variant_ops.gemm_q8_0
-            got = gemm(x, *blocks[1], b)
-        torch.testing.assert_close(got, F.linear(x, w, b), atol=1e-5, rtol=1e-5)
-
-
 AVX2_CPU = frozenset({"sse2", "avx", "avx2", "fma", "f16c"})
 AVX512_CPU = AVX2_CPU | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"}
 AMX_CPU = AVX512_CPU | {"amx_tile", "amx_bf16", "amx_int8"}
@@ -252,7 +190,7 @@ def test_variant_compiles_without_the_cpu(tmp_path, name: str) -> None:
     if ops is None or name in kernels.runnable_isas():
         pytest.skip(f"no compiler, or the {name} variant is built and tested on this CPU")
     csrc = [s for s in kernels._SOURCES
-            if s.endswith(("paged_attention.cpp", "quant_gemm.cpp", "gguf_gemm.cpp", "gguf_amx.cpp"))]
+            if s.endswith(("paged_attention.cpp", "gguf_gemm.cpp", "gguf_amx.cpp"))]
     kernels.syntax_check(name, csrc)
     broken = tmp_path / "broken.cpp"  # and the check can fail
     broken.write_text("#include <immintrin.h>\nvoid f() { _tile_no_such_intrinsic(0); }\n")
@@ -270,13 +208,11 @@ def test_baseline_equals_chosen_variant() -> None:
     torch.testing.assert_close(chosen.rms_norm(x, w, 1e-5), base.rms_norm(x, w, 1e-5), atol=1e-6, rtol=1e-5)
     gate_up = torch.randn(7, 2 * 96, generator=gen)
     torch.testing.assert_close(chosen.silu_and_mul(gate_up), base.silu_and_mul(gate_up), atol=1e-6, rtol=1e-5)
-    from pagedserve.model.layers.linear import find_exact_blocks
+    from pagedserve.model.weight_quant import quantize_q8_0
 
-    for w in (_q4_1_weights(64, 128), _q8_0_weights(64, 128)):
-        fmt, blocks = find_exact_blocks(w)
-        gemm = "gemm_q4_1" if fmt == "q4_1" else "gemm_q8_0"
-        torch.testing.assert_close(getattr(chosen, gemm)(x[:, :128], *blocks, None),
-                                   getattr(base, gemm)(x[:, :128], *blocks, None), atol=1e-5, rtol=1e-5)
+    blocks = quantize_q8_0(torch.randn(64, 256, generator=gen)).parts[0]
+    torch.testing.assert_close(chosen.gemm_gguf(x, blocks, 8, None), base.gemm_gguf(x, blocks, 8, None),
+                               atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("isa_name", ISAS)

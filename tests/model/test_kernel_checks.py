@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.model.test_cpu_kernels import _q4_1_weights, _q8_0_weights
 from tests.paged_metadata import build_attention_metadata, scattered_block_tables
 from pagedserve import kernels
 from pagedserve.attention.reference import ReferenceAttentionBackend
@@ -130,9 +129,10 @@ def layer_args(op: str) -> list:
         return [q, k, torch.tensor([0, 1, 2, 150, 299]), torch.randn(300, 16, generator=gen)]
     if op == "silu_and_mul":
         return [x]
-    w4, w8 = _q4_1_weights(48, 96), _q8_0_weights(48, 96)
-    blocks = (ops.find_q4_1 if op == "gemm_q4_1" else ops.find_q8_0)(w4 if op == "gemm_q4_1" else w8)
-    return [torch.randn(3, 96, generator=gen), *blocks, torch.randn(48, generator=gen)]
+    from pagedserve.model.weight_quant import quantize_q8_0  # gemm_gguf over Q8_0 blocks
+
+    blocks = quantize_q8_0(torch.randn(48, 96, generator=gen)).parts[0]
+    return [torch.randn(3, 96, generator=gen), blocks, 8, torch.randn(48, generator=gen)]
 
 
 def at(index: int, fn):
@@ -163,19 +163,13 @@ LAYER_CASES = [
     ("rotary_embedding_", at(0, lambda q: q[..., :15]), r"head_dim must be even"),
     ("silu_and_mul", at(0, lambda x: x[:, :63]), r"silu_and_mul: gate_up's last dimension must be even"),
     ("silu_and_mul", at(0, lambda x: x[0]), r"silu_and_mul: gate_up must have 2 dimensions"),
-    ("gemm_q4_1", at(1, lambda qs: qs.view(torch.int8)), r"gemm_q4_1: qs must be Byte, got Char"),
-    ("gemm_q8_0", at(1, lambda qs: qs.view(torch.uint8)), r"gemm_q8_0: qs must be Char, got Byte"),
-    ("gemm_q4_1", at(1, lambda qs: qs[:, :32].contiguous()), r"qs must be \[out_features, in_features / 2\]"),
-    ("gemm_q8_0", at(1, lambda qs: qs[:, :64].contiguous()), r"qs must be \[out_features, in_features\]"),
-    ("gemm_q4_1", at(2, lambda dm: dm.reshape(48, 6)), r"gemm_q4_1: dm must have 3 dimensions"),
-    ("gemm_q4_1", at(2, lambda dm: dm.reshape(24, 6, 2)), r"dm must be \[48, 3, 2\]"),
-    ("gemm_q8_0", at(2, lambda d: d[:, :2].contiguous()), r"gemm_q8_0: d must be \[48, 3\]"),
-    ("gemm_q8_0", at(2, lambda d: d.double()), r"gemm_q8_0: d must be Float, got Double"),
-    ("gemm_q8_0", at(2, lambda d: d.t()), r"gemm_q8_0: d must be contiguous"),
-    ("gemm_q4_1", at(3, lambda b: b[:-1]), r"bias has 47 entries, the weight has 48 rows"),
-    ("gemm_q4_1", at(3, lambda b: b.double()), r"gemm_q4_1: bias must be Float"),
-    ("gemm_q4_1", at(0, lambda x: x[:, :80]), r"x's last dimension \(80\) must be a multiple of the block size 32"),
-    ("gemm_q8_0", at(0, lambda x: x.double()), r"gemm_q8_0: x must be Float, got Double"),
+    ("gemm_gguf", at(1, lambda w: w.view(torch.int8)), r"gemm_gguf: w must be Byte, got Char"),
+    ("gemm_gguf", at(1, lambda w: w[:, :100].contiguous()), r"a row of w must be whole blocks of 34 bytes"),
+    ("gemm_gguf", at(1, lambda w: w[:, :68].contiguous()), r"x has 96 features, the weight's rows hold 64"),
+    ("gemm_gguf", at(2, lambda t: 99), r"GGML type 99 has no kernel"),
+    ("gemm_gguf", at(3, lambda b: b[:-1]), r"bias has 47 entries, the weight has 48 rows"),
+    ("gemm_gguf", at(3, lambda b: b.double()), r"gemm_gguf: bias must be Float or x's dtype"),
+    ("gemm_gguf", at(0, lambda x: x.double()), r"gemm_gguf: x must be Float or BFloat16, got Double"),
 ]
 
 
@@ -191,17 +185,7 @@ def test_layer_op_rejects(op: str, mutate, match: str) -> None:
         assert not isinstance(a, torch.Tensor) or torch.equal(a, b)
 
 
-@pytest.mark.parametrize("op", ["find_q4_1", "find_q8_0"])
-def test_find_blocks_rejects(op: str) -> None:
-    w = _q8_0_weights(8, 64)
-    with pytest.raises(RuntimeError, match=rf"{op}: weight must be contiguous"):
-        getattr(ops, op)(w.t())
-    with pytest.raises(RuntimeError, match=rf"{op}: weight must be Float, got Double"):
-        getattr(ops, op)(w.double())
-
-
-@pytest.mark.parametrize("op", ["rms_norm", "fused_add_rms_norm_", "rotary_embedding_", "silu_and_mul", "gemm_q4_1",
-                                "gemm_q8_0"])
+@pytest.mark.parametrize("op", ["rms_norm", "fused_add_rms_norm_", "rotary_embedding_", "silu_and_mul", "gemm_gguf"])
 def test_layer_op_well_formed(op: str) -> None:
     # The exact results are checked in test_cpu_kernels.py; here: the checks let the model's calls through,
     # including the non-contiguous q/k views the model passes to the rotary op.

@@ -8,9 +8,9 @@ import torch
 
 from pagedserve import kernels
 from pagedserve.engine.arg_utils import EngineArgs
-from pagedserve.model.layers.quant import dequantize_blocks, find_q4_1, quantize_q8_0
+from pagedserve.model.layers.gguf_quant import gguf_dequantize
 from pagedserve.model.loader import default_model_path, load_model
-from pagedserve.model.weight_quant import BlockEmbedding, _weight_bytes, resolve_quantization
+from pagedserve.model.weight_quant import BlockEmbedding, _weight_bytes, quantize_q8_0, resolve_quantization
 from pagedserve.quality import greedy_continuation, score, teacher_forced_logits
 from pagedserve.worker.kv_cache import allocate_kv_caches
 
@@ -29,19 +29,23 @@ def _logits(loaded, ids: list[int], chunk: int) -> torch.Tensor:
     return teacher_forced_logits(loaded.model, ids, _caches(loaded.model), 16, chunk)
 
 
-def test_dequantize_and_int8_blocks() -> None:
+def test_int8_writes_gguf_q8_0_blocks() -> None:
+    # --quantization int8 produces the bytes a GGUF file's Q8_0 tensor holds: gguf's own dequantizer reads
+    # them, and each weight is within half a step of its block's fp16 scale.
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
     gen = torch.Generator().manual_seed(0)
-    d = (torch.rand(6, 4, 1, generator=gen) * 0.01).half().float()
-    m = (-torch.rand(6, 4, 1, generator=gen) * 0.05).half().float()
-    q = torch.randint(0, 16, (6, 4, 32), generator=gen)
-    q[..., 0], q[..., 1] = 0, 15  # as a Q4_1 quantizer writes: the block's minimum and maximum
-    w = (d * q + m).reshape(6, 128)
-    blocks = find_q4_1(w)
-    assert torch.equal(dequantize_blocks(("q4_1", blocks)), w)  # bit-exact: what the block kernels multiply
     x = torch.randn(10, 128, generator=gen)
-    qs, scales = quantize_q8_0(x)
-    err = (dequantize_blocks(("q8_0", (qs, scales))) - x).abs().reshape(10, 4, 32)
-    assert (err <= scales[..., None] / 2 + 1e-7).all()  # half a step of each block's own scale
+    x[3, 32:64] = 0  # an all-zero block: scale 0, codes 0
+    w = quantize_q8_0(x)
+    assert w.qtypes == (8,) and w.in_features == 128 and w.parts[0].shape == (10, 4 * 34)
+    rebuilt = torch.from_numpy(dequantize(w.parts[0].numpy(), GGMLQuantizationType.Q8_0).astype("float32"))
+    d = torch.from_numpy(w.parts[0].reshape(10, 4, 34)[..., :2].contiguous().view(torch.float16).float().numpy())
+    assert ((rebuilt - x).abs().reshape(10, 4, 32) <= d / 2 + 1e-7).all()
+    assert torch.equal(rebuilt[3, 32:64], torch.zeros(32))
+    if kernels.load() is not None:
+        assert torch.equal(gguf_dequantize(w), rebuilt)  # what the block kernels multiply
 
 
 @needs_kernels
@@ -115,8 +119,10 @@ def test_bad_combinations_name_the_flag(tmp_path) -> None:
     with pytest.raises(ValueError, match=r"--quantization gguf needs --dtype float32 or bfloat16 .* valid values "
                                          r"here: none"):
         resolve_quantization("gguf", True, torch.float16, CPU)
-    with pytest.raises(ValueError, match=r"--quantization int8 needs --dtype float32 on CPU"):
-        resolve_quantization("int8", False, torch.bfloat16, CPU)
+    with pytest.raises(ValueError, match=r"--quantization int8 needs --dtype float32 or bfloat16 on CPU"):
+        resolve_quantization("int8", False, torch.float16, CPU)
+    if kernels.load() is not None:  # int8's Q8_0 blocks take bf16 activations like a GGUF file's
+        assert resolve_quantization("int8", False, torch.bfloat16, CPU) == "int8"
     assert resolve_quantization(None, True, torch.float16, CPU) == "none"  # unset never fails
     # bf16 (what --dtype auto picks on CPUs with AMX) keeps the blocks too
     assert resolve_quantization(None, True, torch.bfloat16, CPU) == ("gguf" if kernels.load() is not None else "none")

@@ -31,7 +31,7 @@ from pagedserve.kernels import isa
 logger = logging.getLogger(__name__)
 
 _SOURCES = [os.path.join(os.path.dirname(__file__), "csrc", name)
-            for name in ("paged_attention.cpp", "layer_ops.cpp", "quant_gemm.cpp", "quant_pack.cpp",
+            for name in ("paged_attention.cpp", "layer_ops.cpp",
                           "gguf_gemm.cpp", "gguf_amx.cpp", "sampling_ops.cpp",
                           "decoder_layers.cpp")]
 # Compile-only flags: -ffast-math must not reach the link step (it would link crtfastmath.o, which turns
@@ -216,8 +216,7 @@ def _remove_stale_lock(path: str, max_age_s: float = 600.0) -> None:
 
 
 # Activation dtypes of the fused layer ops (rms_norm, fused_add_rms_norm_, rotary_embedding_, silu_and_mul) and
-# the attention kernel; gemm_gguf takes both, the older block GEMMs (gemm_q4_1, gemm_q8_0) float32 only and
-# gemm_gguf_amx (amx variant only) bfloat16 only.
+# the attention kernel; gemm_gguf takes both, gemm_gguf_amx (amx variant only) bfloat16 only.
 LAYER_DTYPES = (torch.float32, torch.bfloat16)
 
 

@@ -29,8 +29,7 @@ from pagedserve.attention.reference import ReferenceAttentionBackend
 from pagedserve.distributed.parallel_state import TensorParallelGroup
 from pagedserve.model.layers.activation import SiluAndMul
 from pagedserve.model.layers.decoder_stack import DecoderStack
-from pagedserve.model.layers.linear import (Linear, find_exact_blocks, pack_linear_weights, pack_weight,
-                                            packed_linear, quant_linear)
+from pagedserve.model.layers.linear import Linear, pack_linear_weights, pack_weight, packed_linear
 from pagedserve.model.layers.norm import RMSNorm
 from pagedserve.model.layers.parallel import embedding, gather_logits, row_linear
 from pagedserve.model.layers.rotary import RotaryEmbedding
@@ -200,10 +199,7 @@ class LlamaForCausalLM(nn.Module):
 
     def _local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = quant_linear(hidden, self._lm_head_blocks)
-        if logits is not None:
-            return logits
-        if weight is None:  # blocks only (--quantization, model/weight_quant.py)
+        if self._lm_head_blocks is not None:  # blocks only (--quantization, model/weight_quant.py)
             return block_logits(hidden, self._lm_head_blocks)
         if self._lm_head_packed is None:
             return F.linear(hidden, weight)
@@ -216,8 +212,7 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head is None and self.model.embed_tokens.weight is None:
             pass  # the embedding is blocks only (model/gguf_weights.py); _lm_head_blocks already points at them
         elif self.lm_head is None:
-            self._lm_head_packed = pack_weight(self.model.embed_tokens.weight)
-            self._lm_head_blocks = find_exact_blocks(self.model.embed_tokens.weight)
+            self._lm_head_packed, self._lm_head_blocks = pack_weight(self.model.embed_tokens.weight), None
         else:
             self._lm_head_packed, self._lm_head_blocks = self.lm_head.packed_weight, self.lm_head.exact_blocks
 

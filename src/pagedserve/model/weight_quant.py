@@ -8,12 +8,12 @@
           embedding gathers and dequantizes only the rows it reads; a tied LM head multiplies by the same
           blocks. Tensors of other GGUF types (F16, BF16, Q2_K, ...) stay fp32.
     int8  weight-only int8 for float32 / bfloat16 Hugging Face checkpoints: each weight is quantized at load
-          into Q8_0 blocks (int8 codes with one float32 scale per 32 inputs, finer than per channel) and runs
-          through the same kernels.
+          into GGUF Q8_0 blocks (int8 codes with one fp16 scale per 32 inputs, finer than per channel, the
+          bytes a GGUF file would hold) and runs through the same dispatcher as a GGUF file's weights.
     none  dequantized fp32 (or --dtype) weights, as loaded.
 
-gguf runs with --dtype float32 or bfloat16 (so `auto` keeps the file's blocks on CPUs with AMX, multiplied
-in bf16 by the AMX kernel; layers/gguf_quant.py), int8 with float32 only; both need the compiled kernels.
+Both run with --dtype float32 or bfloat16 (so `auto` keeps the blocks on CPUs with AMX, multiplied in bf16
+by the AMX kernel; layers/gguf_quant.py) and need the compiled kernels.
 Asking for them otherwise is a start-up error naming the flag. Leaving --quantization unset never fails: it
 falls back to none where blocks cannot run.
 """
@@ -29,16 +29,16 @@ from torch import nn
 from pagedserve import kernels
 from pagedserve.config import QUANTIZATIONS
 from pagedserve.malloc import release_free_memory
-from pagedserve.model.layers.gguf_quant import GGUFWeight, gguf_embedding
-from pagedserve.model.layers.linear import Linear
-from pagedserve.model.layers.quant import BLOCK, dequantize_blocks, quantize_q8_0
+from pagedserve.model.layers.gguf_quant import GGUFWeight, gguf_dequantize, gguf_embedding
+from pagedserve.model.layers.linear import Linear, quant_linear
 
 logger = logging.getLogger(__name__)
 
 
 def resolve_quantization(requested: str | None, is_gguf: bool, dtype: torch.dtype, device: torch.device) -> str:
     on_cpu = device.type == "cpu" and kernels.load() is not None
-    runnable = {"gguf": on_cpu and dtype in (torch.float32, torch.bfloat16), "int8": on_cpu and dtype == torch.float32}
+    blocks_run = on_cpu and dtype in (torch.float32, torch.bfloat16)  # the GGUF block dispatcher's dtypes
+    runnable = {"gguf": blocks_run, "int8": blocks_run}
     method = "gguf" if is_gguf else "int8"
     if requested is None:
         return "gguf" if is_gguf and runnable["gguf"] else "none"
@@ -51,30 +51,41 @@ def resolve_quantization(requested: str | None, is_gguf: bool, dtype: torch.dtyp
         raise ValueError(f"--quantization int8 quantizes float Hugging Face checkpoints, not a GGUF file; for this "
                          f"model use one of: {valid}")
     if requested != "none" and not runnable[requested]:
-        dtypes = "float32 or bfloat16" if requested == "gguf" else "float32"
-        raise ValueError(f"--quantization {requested} needs --dtype {dtypes} on CPU with the compiled kernels "
+        raise ValueError(f"--quantization {requested} needs --dtype float32 or bfloat16 on CPU with the compiled kernels "
                          f"(here: {str(dtype).removeprefix('torch.')} on {device.type}, kernels "
                          f"{'on' if kernels.load() is not None else 'unavailable'}); valid values here: {valid}")
     return requested
 
 
+Q8_0 = 8  # GGML's type id
+BLOCK = 32  # weights per Q8_0 block
+
+
+def quantize_q8_0(weight: torch.Tensor) -> GGUFWeight:
+    # GGUF Q8_0 blocks of a dense [N, K] weight (lossy): per 32 inputs, d = amax / 127 rounded to fp16 and
+    # q = round(w / d), stored as a block's 34 bytes [d f16][32 x int8], exactly as in a GGUF file.
+    n, k = weight.shape
+    blocks = weight.detach().float().reshape(n, k // BLOCK, BLOCK)
+    d = (blocks.abs().amax(-1, keepdim=True) / 127).half()
+    q = torch.round(blocks / d.float().clamp(min=1e-30)).clamp(-127, 127).to(torch.int8)
+    raw = torch.cat((d.view(torch.uint8), q.view(torch.uint8)), dim=-1)  # [n, k / 32, 34]
+    return GGUFWeight((Q8_0,), (raw.reshape(n, -1).contiguous(),), k)
+
+
 class BlockEmbedding(nn.Module):
-    # An embedding table held only as blocks: a lookup dequantizes the rows it reads.
+    # An embedding table held only as GGUF blocks: a lookup dequantizes the rows it reads.
     def __init__(self, blocks, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
-        self.blocks = blocks
+        self.blocks = blocks  # ("gguf", GGUFWeight)
         self.dtype = dtype  # the model's activations
         self.weight = None  # no dense table; compute_logits multiplies through the blocks
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if self.blocks[0] == "gguf":
-            return gguf_embedding(self.blocks[1], input_ids, self.dtype)
-        fmt, (qs, scales) = self.blocks
-        return dequantize_blocks((fmt, (qs[input_ids], scales[input_ids])))
+        return gguf_embedding(self.blocks[1], input_ids, self.dtype)
 
 
 def apply_quantization(model: nn.Module, method: str) -> None:
-    # After load_weights (pack_weights has found the exact blocks). Frees the dense copies of quantized weights.
+    # After load_weights. Frees the dense copies of quantized weights.
     if method == "none":
         return
     dense_before = _weight_bytes(model)
@@ -84,17 +95,17 @@ def apply_quantization(model: nn.Module, method: str) -> None:
             continue
         num_linear += 1
         if method == "int8" and m.weight is not None and m.weight.shape[1] % BLOCK == 0:
-            m.exact_blocks = ("q8_0", quantize_q8_0(m.weight))
+            m.exact_blocks = ("gguf", quantize_q8_0(m.weight))
         if m.exact_blocks is not None:
             m.weight, m.packed_weight = None, None
             num_quantized += 1
     embed = model.model.embed_tokens
     if method == "int8" and model.lm_head is None and embed.weight is not None and embed.weight.shape[1] % BLOCK == 0:
-        model._lm_head_blocks = ("q8_0", quantize_q8_0(embed.weight))
+        model._lm_head_blocks = ("gguf", quantize_q8_0(embed.weight))
     if isinstance(embed, BlockEmbedding):
         pass  # loaded as blocks (model/gguf_weights.py)
     elif model.lm_head is None and model._lm_head_blocks is not None:  # tied: one block table serves both
-        model.model.embed_tokens = BlockEmbedding(model._lm_head_blocks)
+        model.model.embed_tokens = BlockEmbedding(model._lm_head_blocks, embed.weight.dtype)
         model._lm_head_packed = None
     elif model.lm_head is not None:
         model._lm_head_packed, model._lm_head_blocks = model.lm_head.packed_weight, model.lm_head.exact_blocks
@@ -107,12 +118,11 @@ def apply_quantization(model: nn.Module, method: str) -> None:
 
 
 def block_logits(hidden: torch.Tensor, blocks) -> torch.Tensor:
-    # LM head through its blocks at any number of rows (the kernel walks rows in passes of 8).
-    ops = kernels.ops_for(hidden)
-    fmt, (qs, scales) = blocks
-    if ops is None or hidden.dim() != 2:
-        return F.linear(hidden, dequantize_blocks(blocks))
-    return (ops.gemm_q4_1 if fmt == "q4_1" else ops.gemm_q8_0)(hidden.contiguous(), qs, scales, None)
+    # LM head through its blocks at any number of rows; a transient dense copy where no kernel takes `hidden`.
+    logits = quant_linear(hidden, blocks)
+    if logits is None:
+        return F.linear(hidden, gguf_dequantize(blocks[1]).to(hidden))
+    return logits
 
 
 def _weight_bytes(model: nn.Module) -> int:
@@ -137,7 +147,7 @@ def _weight_bytes(model: nn.Module) -> int:
         for blocks in (getattr(m, "exact_blocks", None), getattr(m, "blocks", None),
                        getattr(m, "_lm_head_blocks", None)):
             if blocks is not None:
-                for t in blocks[1].parts if isinstance(blocks[1], GGUFWeight) else blocks[1]:
+                for t in blocks[1].parts:
                     add(t)
         add(getattr(m, "packed_weight", None))
         add(getattr(m, "_lm_head_packed", None))

@@ -1,15 +1,14 @@
-"""Linear layers with two float32 CPU fast paths, both set up once after the weights load (pack()).
+"""Linear layers: one weight format for quantized weights (GGUF blocks), dense weights otherwise.
 
-- Batched tokens (> QUANT_MAX_TOKENS rows): oneDNN with a blocked, prepacked weight. On this class of CPU
-  (AVX-512) torch's default fp32 linear (MKL sgemm on the [out, in] weight) reaches about 110-160 GFLOP/s
+- Quantized (`exact_blocks`, the only copy of the weight): every batch size goes through the GGUF block
+  dispatcher, layers/gguf_quant.py (a GGUF file's own blocks, or the Q8_0 blocks of --quantization int8).
+- Dense float32 on CPU: oneDNN with a blocked weight prepacked once after the weights load (pack()). On
+  AVX-512 CPUs torch's default fp32 linear (MKL sgemm on the [out, in] weight) reaches about 110-160 GFLOP/s
   on two cores, oneDNN about 170-210 from 16 tokens up.
-- A few tokens (decode at batch 1-8): bound by reading the weights, not by arithmetic. When the fp32
-  weight is exactly GGUF block values (the embedded model is Q4_1 / Q8_0), a lossless block copy
-  (layers/quant.py) is read instead: 0.75 bytes per weight instead of 4, the same fp32 products.
+- CUDA, other dtypes and builds without oneDNN or the compiled kernels keep F.linear.
 
-The fp32 parameter stays the source of truth: load_weights writes it, then packs again. CUDA, other
-dtypes and builds without oneDNN or the compiled kernels keep F.linear; GGUF block weights
-(layers/gguf_quant.py) also take bfloat16 activations. Measurements: benchmarks/README.md, "Profile".
+The dense parameter stays the source of truth: load_weights writes it, then packs again. Measurements:
+benchmarks/README.md, "Profile".
 """
 from __future__ import annotations
 
@@ -21,8 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve import kernels
-from pagedserve.model.layers.gguf_quant import gguf_linear
-from pagedserve.model.layers.quant import dequantize_blocks
+from pagedserve.model.layers.gguf_quant import gguf_dequantize, gguf_linear
 
 logger = logging.getLogger(__name__)
 
@@ -70,47 +68,25 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | 
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-# Activation dtypes GGUF block weights take (layers/gguf_quant.py); the other block copies take float32.
+# Activation dtypes GGUF block weights take (layers/gguf_quant.py).
 GGUF_DTYPES = (torch.float32, torch.bfloat16)
-# Up to this many tokens the block copy wins; above it oneDNN's fp32 GEMM (compute-bound) is faster.
-# Measured at 1 thread, whole model: 1 token 13.7 vs 45.7 ms, 8 tokens 45 vs 69, 16 tokens 98 vs 86.
+# Rows of x up to which a block type without a vectorized decode kernel still goes through gemm_gguf's
+# portable loop; above it, dequantized tiles through torch's GEMM.
 QUANT_MAX_TOKENS = 8
 
 
-def find_exact_blocks(weight: torch.Tensor, formats: tuple[str, ...] = ("q4_1", "q8_0")):
-    # (fmt, tensors) for quant_linear when `weight` is exactly blocks of one of `formats`, else None. The
-    # compiled search (one pass, ~0.2 s for the whole model; a plain fp32 weight fails at its first block)
-    # does what layers/quant.py spells out in torch.
-    if weight.device.type != "cpu" or weight.dtype != torch.float32:
-        return None
-    ops = kernels.load()
-    if ops is None:
-        return None
-    for fmt in formats:
-        qs, scales = (ops.find_q4_1 if fmt == "q4_1" else ops.find_q8_0)(weight.detach().contiguous())
-        if qs.numel():
-            return fmt, (qs, scales)
-    return None
-
-
 def quant_linear(x: torch.Tensor, blocks, bias: torch.Tensor | None = None) -> torch.Tensor | None:
-    # y = x W^T through the block copy, or None when this call should take the fp32 path. GGUF blocks
-    # (layers/gguf_quant.py) are the only copy of their weight and take every batch size.
-    if blocks is not None and blocks[0] == "gguf" and x.dim() == 2 and kernels.ops_for(x, GGUF_DTYPES) is not None:
-        return gguf_linear(x, blocks[1], bias, QUANT_MAX_TOKENS)
-    if blocks is None or x.shape[0] > QUANT_MAX_TOKENS or x.dim() != 2 or x.stride(1) != 1:
+    # y = x W^T through the layer's GGUF blocks (every batch size), or None when this call cannot use them
+    # (no blocks, another device or dtype, no compiled kernels): then the caller's dense path runs.
+    if blocks is None or x.dim() != 2 or kernels.ops_for(x, GGUF_DTYPES) is None:
         return None
-    ops = kernels.ops_for(x)
-    if ops is None:
-        return None
-    fmt, (qs, scales) = blocks
-    return (ops.gemm_q4_1 if fmt == "q4_1" else ops.gemm_q8_0)(x, qs, scales, bias)
+    return gguf_linear(x, blocks[1], bias, QUANT_MAX_TOKENS)
 
 
 class Linear(nn.Linear):
     packed_weight: torch.Tensor | None = None
-    # ("q4_1", (qs, dm)) / ("q8_0", (qs, d)) when the weight is exactly such blocks; ("gguf", GGUFWeight)
-    # when the weight is only the blocks of its GGUF file (then self.weight is None).
+    # ("gguf", GGUFWeight) when the weight is held only as GGUF blocks (then self.weight is None): a GGUF
+    # file's tensors as they lie in the file, or --quantization int8's Q8_0 blocks (model/weight_quant.py).
     exact_blocks = None
 
     def reset_parameters(self) -> None:
@@ -122,14 +98,13 @@ class Linear(nn.Linear):
         if self.weight is None:  # blocks only: nothing to pack
             return
         self.packed_weight = pack_weight(self.weight)
-        self.exact_blocks = find_exact_blocks(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = quant_linear(x, self.exact_blocks, self.bias)
         if y is not None:
             return y
-        if self.weight is None:  # blocks only (--quantization, model/weight_quant.py): a transient fp32 copy
-            return F.linear(x, dequantize_blocks(self.exact_blocks), self.bias)
+        if self.weight is None:  # blocks only, and no kernel for this call (another device): a transient copy
+            return F.linear(x, gguf_dequantize(self.exact_blocks[1]).to(x), self.bias)
         return packed_linear(x, self.weight, self.packed_weight, self.bias)
 
 
