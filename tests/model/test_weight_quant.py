@@ -111,15 +111,15 @@ def test_bad_combinations_name_the_flag(tmp_path) -> None:
                                          if kernels.load() is not None else "--quantization int8"):
         load_model(gguf, quantization="int8")
     with pytest.raises(ValueError, match="--quantization gguf needs a GGUF file"):
-        resolve_quantization("gguf", False, torch.float32, CPU)
+        resolve_quantization("gguf", None, torch.float32, CPU)
     with pytest.raises(ValueError, match=r"--quantization gguf needs --dtype float32 or bfloat16 .* valid values "
                                          r"here: none"):
-        resolve_quantization("gguf", True, torch.float16, CPU)
+        resolve_quantization("gguf", "gguf", torch.float16, CPU)
     with pytest.raises(ValueError, match=r"--quantization int8 needs --dtype float32 on CPU"):
-        resolve_quantization("int8", False, torch.bfloat16, CPU)
-    assert resolve_quantization(None, True, torch.float16, CPU) == "none"  # unset never fails
+        resolve_quantization("int8", None, torch.bfloat16, CPU)
+    assert resolve_quantization(None, "gguf", torch.float16, CPU) == "none"  # unset never fails
     # bf16 (what --dtype auto picks on CPUs with AMX) keeps the blocks too
-    assert resolve_quantization(None, True, torch.bfloat16, CPU) == ("gguf" if kernels.load() is not None else "none")
-    assert resolve_quantization(None, False, torch.float32, CPU) == "none"
+    assert resolve_quantization(None, "gguf", torch.bfloat16, CPU) == ("gguf" if kernels.load() is not None else "none")
+    assert resolve_quantization(None, None, torch.float32, CPU) == "none"
     with pytest.raises(ValueError, match="--quantization 'q3' is not supported; valid values: gguf, int8, none"):
         EngineArgs(quantization="q3").create_engine_config()

@@ -10,10 +10,15 @@
     int8  weight-only int8 for float32 / bfloat16 Hugging Face checkpoints: each weight is quantized at load
           into Q8_0 blocks (int8 codes with one float32 scale per 32 inputs, finer than per channel) and runs
           through the same kernels.
-    none  dequantized fp32 (or --dtype) weights, as loaded.
+    awq, gptq, compressed-tensors, fp8  (the default for such Hugging Face checkpoints: config.json's
+          quantization_config) the checkpoint's 4-bit groups become Q4_0 / Q4_1 blocks and its FP8 weights
+          Q8_0 blocks at load (model/hf_quant.py), multiplied as gguf's are.
+    none  dequantized fp32 (or --dtype) weights, as loaded; a quantized Hugging Face checkpoint is
+          dequantized exactly.
 
-gguf runs with --dtype float32 or bfloat16 (so `auto` keeps the file's blocks on CPUs with AMX, multiplied
-in bf16 by the AMX kernel; layers/gguf_quant.py), int8 with float32 only; both need the compiled kernels.
+gguf and the Hugging Face methods run with --dtype float32 or bfloat16 (so `auto` keeps the blocks on CPUs
+with AMX, multiplied in bf16 by the AMX kernel; layers/gguf_quant.py), int8 with float32 only; all need the
+compiled kernels.
 Asking for them otherwise is a start-up error naming the flag. Leaving --quantization unset never fails: it
 falls back to none where blocks cannot run.
 """
@@ -36,22 +41,28 @@ from pagedserve.model.layers.quant import BLOCK, dequantize_blocks, quantize_q8_
 logger = logging.getLogger(__name__)
 
 
-def resolve_quantization(requested: str | None, is_gguf: bool, dtype: torch.dtype, device: torch.device) -> str:
-    on_cpu = device.type == "cpu" and kernels.load() is not None
-    runnable = {"gguf": on_cpu and dtype in (torch.float32, torch.bfloat16), "int8": on_cpu and dtype == torch.float32}
-    method = "gguf" if is_gguf else "int8"
+def resolve_quantization(requested: str | None, stored: str | None, dtype: torch.dtype, device: torch.device) -> str:
+    # stored: how the checkpoint holds its weights: "gguf" (a GGUF file), a Hugging Face quant_method (awq,
+    # gptq, compressed-tensors, fp8: model/hf_quant.py) or None (float weights, which int8 can quantize).
+    own = stored or "int8"  # the one block method this checkpoint takes
+    runnable = (device.type == "cpu" and kernels.load() is not None
+                and (dtype == torch.float32 or dtype == torch.bfloat16 and own != "int8"))
     if requested is None:
-        return "gguf" if is_gguf and runnable["gguf"] else "none"
+        return stored if stored is not None and runnable else "none"
     if requested not in QUANTIZATIONS:
         raise ValueError(f"--quantization {requested!r} is not supported; valid values: {', '.join(QUANTIZATIONS)}")
-    valid = ", ".join([method, "none"] if runnable[method] else ["none"])
-    if requested == "gguf" and not is_gguf:
-        raise ValueError(f"--quantization gguf needs a GGUF file; for this model use one of: {valid}")
-    if requested == "int8" and is_gguf:
-        raise ValueError(f"--quantization int8 quantizes float Hugging Face checkpoints, not a GGUF file; for this "
-                         f"model use one of: {valid}")
-    if requested != "none" and not runnable[requested]:
-        dtypes = "float32 or bfloat16" if requested == "gguf" else "float32"
+    valid = ", ".join([own, "none"] if runnable else ["none"])
+    if requested not in (own, "none"):
+        held = "a GGUF file" if stored == "gguf" else f"a {stored} checkpoint" if stored else "float weights"
+        if requested == "gguf":
+            why = "needs a GGUF file"
+        elif requested == "int8":
+            why = f"quantizes float Hugging Face checkpoints, not {held}"
+        else:
+            why = f"needs a {requested} checkpoint (config.json quantization_config), this model has {held}"
+        raise ValueError(f"--quantization {requested} {why}; for this model use one of: {valid}")
+    if requested != "none" and not runnable:
+        dtypes = "float32" if requested == "int8" else "float32 or bfloat16"
         raise ValueError(f"--quantization {requested} needs --dtype {dtypes} on CPU with the compiled kernels "
                          f"(here: {str(dtype).removeprefix('torch.')} on {device.type}, kernels "
                          f"{'on' if kernels.load() is not None else 'unavailable'}); valid values here: {valid}")
