@@ -16,8 +16,8 @@ from safetensors.torch import save_file
 from pagedserve import LLM, SamplingParams, kernels
 from pagedserve.model import hf_config
 from pagedserve.model.hf_config import HFConfig, read_config
-from pagedserve.model.hf_quant import checkpoint_quantization
-from pagedserve.model.layers.gguf_quant import gguf_dequantize
+from pagedserve.model.hf_quant import Int4Groups, checkpoint_quantization, int4_blocks
+from pagedserve.model.layers.gguf_quant import gguf_dequantize, gguf_linear
 from pagedserve.model.loader import load_model, load_tokenizer, resolve_model_dir
 from pagedserve.model.weight_quant import resolve_quantization
 from pagedserve.quality import teacher_forced_logits
@@ -97,7 +97,7 @@ FORMATS = {
 # The block type each format maps to, and the largest weight error of that mapping, measured over the
 # checkpoints below (printed with the numerics): Q4_0 is exact, Q4_1 rounds m = -z s to fp16
 # (<= s / 128), Q8_0 requantizes each FP8 block of 32 (<= its max / 254 plus fp16 rounding of d).
-LOGIT_TOLERANCE = {"Q4_0": 1e-4, "Q4_1": 0.1, "Q8_0": 0.1}
+LOGIT_TOLERANCE = {"Q4_0": 1e-4, "Q4_1": 0.05, "Q8_0": 0.15}
 EXPECTED_TYPE = {"awq": "Q4_1", "gptq": "Q4_0", "gptq-act-order": "Q4_1", "gptq_v2": "Q4_1", "fp8-channel": "Q8_0",
                  "fp8-block": "Q8_0", "fp8-vllm": "Q8_0"}
 
@@ -226,7 +226,9 @@ def test_quantized_checkpoint_matches_dequantized_transformers(fmt, reference_mo
     for chunk in (4, len(TOKEN_IDS)):  # the block GEMM (decode) and dequantized tiles (prefill)
         got = _logits(loaded, TOKEN_IDS, chunk)
         numerics[f"hf_quant_{fmt}_logits_chunk{chunk}"] = (got - want).abs().max().item()
-        # measured: ... 
+        # measured on an AVX-512 EPYC: vs the blocks' own weights <= 3e-6; vs the exact dequantization 3e-6
+        # (Q4_0), 0.017 (AWQ) / 0.008 (GPTQ act-order) / 0.012 (GPTQ v2) (Q4_1), 0.070-0.074 (Q8_0), with
+        # logits up to ~4.5
         torch.testing.assert_close(got, want_blocks, atol=1e-4, rtol=0)
         torch.testing.assert_close(got, want, atol=LOGIT_TOLERANCE[EXPECTED_TYPE[fmt]], rtol=0)
         assert torch.equal(got.argmax(-1)[clear], want.argmax(-1)[clear])
@@ -254,6 +256,31 @@ def test_none_dequantizes_exactly_and_llm_generates(reference_model, tokenizer, 
     assert list(out[0].outputs[0].token_ids) == hf_tokens
 
 
+@needs_kernels
+def test_act_order_parts_share_one_input_order() -> None:
+    # Parts of a fused linear take the first part's input order; a part whose groups do not fall into whole
+    # blocks of 32 under it leaves the layer dense (None).
+    gen = torch.Generator().manual_seed(0)
+
+    def part(order: torch.Tensor) -> Int4Groups:
+        group_ids = torch.empty(256, dtype=torch.int64)
+        group_ids[order] = torch.arange(256) // GROUP
+        return Int4Groups(torch.randint(0, 16, (40, 256), generator=gen, dtype=torch.uint8),
+                          torch.randint(0, 16, (40, 2), generator=gen, dtype=torch.int16),
+                          (0.01 * torch.rand(40, 2, generator=gen)).half().float(), group_ids)
+
+    order = torch.randperm(256, generator=gen)
+    parts = [part(order), part(order)]
+    w = int4_blocks(parts)
+    assert w.type_names() == "Q4_1" and torch.equal(w.in_order[:GROUP], order[:GROUP].sort().values)
+    held = _block_weight(w)  # in the checkpoint's input order
+    assert (held - torch.cat([p.dequantize() for p in parts])).abs().max() <= 0.01 / 128
+    x = torch.randn(70, 256, generator=gen)
+    for m in (1, 5, 70):  # the block GEMM and dequantized tiles, both after the gather of x
+        torch.testing.assert_close(gguf_linear(x[:m], w, None, 8), x[:m] @ held.T, atol=1e-5, rtol=1e-5)
+    assert int4_blocks([part(order), part(torch.randperm(256, generator=gen))]) is None
+
+
 def test_unsupported_quantization_is_a_clear_error() -> None:
     def scheme(**config):
         return checkpoint_quantization(HFConfig(quantization_config=config))
@@ -263,8 +290,9 @@ def test_unsupported_quantization_is_a_clear_error() -> None:
     for bad, what in [({"quant_method": "bitsandbytes"}, "quant_method 'bitsandbytes'"),
                       (FORMATS["awq"] | {"version": "gemv"}, "awq with bits 4, version gemv"),
                       (FORMATS["gptq"] | {"bits": 8}, "gptq with bits 8"),
-                      ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {
-                          "g": {"weights": {"num_bits": 4, "type": "int"}}}}, "compressed-tensors format pack-quantized")]:
+                      ({"quant_method": "compressed-tensors", "format": "pack-quantized",
+                        "config_groups": {"g": {"weights": {"num_bits": 4, "type": "int"}}}},
+                       "compressed-tensors format pack-quantized")]:
         with pytest.raises(ValueError, match=f"{what}.* is not supported; supported: awq"):
             scheme(**bad)
     with pytest.raises(ValueError, match="group_size 100 is not supported"):

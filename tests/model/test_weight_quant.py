@@ -121,5 +121,6 @@ def test_bad_combinations_name_the_flag(tmp_path) -> None:
     # bf16 (what --dtype auto picks on CPUs with AMX) keeps the blocks too
     assert resolve_quantization(None, "gguf", torch.bfloat16, CPU) == ("gguf" if kernels.load() is not None else "none")
     assert resolve_quantization(None, None, torch.float32, CPU) == "none"
-    with pytest.raises(ValueError, match="--quantization 'q3' is not supported; valid values: gguf, int8, none"):
+    with pytest.raises(ValueError, match="--quantization 'q3' is not supported; valid values: gguf, int8, awq, gptq, "
+                                         "compressed-tensors, fp8, none"):
         EngineArgs(quantization="q3").create_engine_config()

@@ -33,6 +33,7 @@ scales are not used. `--quantization none` and tensor parallelism dequantize eve
 """
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -130,6 +131,8 @@ def _awq_columns(packed: torch.Tensor) -> torch.Tensor:
 def _unpack(tensors: dict[str, torch.Tensor], prefix: str, scheme: HFQuantScheme) -> Int4Groups | torch.Tensor:
     # Pops one linear's tensors: Int4Groups (awq, gptq) or the exact float32 weight (FP8).
     def pop(suffix: str) -> torch.Tensor:
+        if f"{prefix}.{suffix}" not in tensors:
+            raise ValueError(f"{scheme.method} checkpoint: {prefix}.{suffix} is missing")
         return tensors.pop(f"{prefix}.{suffix}")
 
     if scheme.method == "awq":
@@ -211,41 +214,44 @@ def _dense(unpacked: Int4Groups | torch.Tensor) -> torch.Tensor:
     return unpacked.dequantize() if isinstance(unpacked, Int4Groups) else unpacked
 
 
-def _read(weights: Iterable[tuple[str, torch.Tensor]], scheme: HFQuantScheme):
-    # (plain tensors, {linear name: its unpacked weight}) of a whole checkpoint.
+def _read(weights: Iterable[tuple[str, torch.Tensor]], scheme: HFQuantScheme) -> tuple[dict, list[str]]:
+    # (the checkpoint's tensors, the names of its quantized linears). Linears are unpacked one at a time
+    # later: their unpacked codes take twice the packed bytes.
     tensors = {name: t for name, t in weights if not name.endswith(_UNUSED)}
     if scheme.method in ("awq", "gptq"):
-        names = [n.removesuffix(".qweight") for n in tensors if n.endswith(".qweight")]
-    else:
-        names = [n.removesuffix(".weight") for n, t in tensors.items()
-                 if n.endswith(".weight") and t.dtype == torch.float8_e4m3fn]
-    try:
-        return tensors, {name: _unpack(tensors, name, scheme) for name in names}
-    except KeyError as e:
-        raise ValueError(f"{scheme.method} checkpoint: tensor {e} is missing") from e
+        return tensors, [n.removesuffix(".qweight") for n in tensors if n.endswith(".qweight")]
+    return tensors, [n.removesuffix(".weight") for n, t in tensors.items()
+                     if n.endswith(".weight") and t.dtype == torch.float8_e4m3fn]
 
 
-def _with_dense(tensors: dict, unpacked: dict) -> Iterator[tuple[str, torch.Tensor]]:
-    # The plain tensors, then each remaining quantized weight dequantized (one float32 copy at a time).
+def _dequantized(tensors: dict, names: list[str], scheme: HFQuantScheme) -> Iterator[tuple[str, torch.Tensor]]:
+    # The quantized linears `names` dequantized (one float32 copy at a time), then the plain tensors left.
+    for name in names:
+        yield f"{name}.weight", _dense(_unpack(tensors, name, scheme))
     yield from tensors.items()
-    for name in list(unpacked):
-        yield f"{name}.weight", _dense(unpacked.pop(name))
 
 
 def dequantized_checkpoint(weights: Iterable[tuple[str, torch.Tensor]],
                            scheme: HFQuantScheme) -> Iterator[tuple[str, torch.Tensor]]:
     # The checkpoint as float tensors under the model's names (--quantization none, tensor parallelism).
-    return _with_dense(*_read(weights, scheme))
+    return _dequantized(*_read(weights, scheme), scheme)
 
 
 def load_quantized_checkpoint(model, weights: Iterable[tuple[str, torch.Tensor]], scheme: HFQuantScheme) -> None:
     # Quantized linears as GGUF blocks where every part of a (fused) linear converts, the rest dense.
-    tensors, unpacked = _read(weights, scheme)
+    tensors, names = _read(weights, scheme)
+    left, dense = set(names), []
     for m, sources in linear_sources(model):
-        if all(s in unpacked for s in sources):
-            blocks = _blocks([unpacked[s] for s in sources])
-            if blocks is not None:
-                set_blocks(m, blocks)
-                for s in sources:
-                    del unpacked[s]
-    model.load_weights(_with_dense(tensors, unpacked))
+        if not all(s in left for s in sources):
+            continue
+        left.difference_update(sources)
+        parts = [_unpack(tensors, s, scheme) for s in sources]
+        blocks = _blocks(parts)
+        if blocks is not None and (blocks.out_features, blocks.in_features) != (m.out_features, m.in_features):
+            raise ValueError(f"{scheme.method} checkpoint: {sources} hold a [{blocks.out_features}, "
+                             f"{blocks.in_features}] weight, the config says [{m.out_features}, {m.in_features}]")
+        if blocks is not None:
+            set_blocks(m, blocks)
+        else:
+            dense.extend((f"{s}.weight", _dense(p)) for s, p in zip(sources, parts))
+    model.load_weights(itertools.chain(dense, _dequantized(tensors, [n for n in names if n in left], scheme)))
