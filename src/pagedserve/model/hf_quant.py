@@ -47,6 +47,7 @@ SUPPORTED = ("awq (version gemm, 4 bits, zero points)", "gptq (4 bits, checkpoin
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 BLOCK = 32
 Q4_0, Q4_1, Q8_0 = 2, 3, 8
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 # Activation and KV-cache scales: activations stay float here.
 _UNUSED = (".input_scale", ".k_scale", ".v_scale", ".output_scale")
 
@@ -221,7 +222,7 @@ def _read(weights: Iterable[tuple[str, torch.Tensor]], scheme: HFQuantScheme) ->
     if scheme.method in ("awq", "gptq"):
         return tensors, [n.removesuffix(".qweight") for n in tensors if n.endswith(".qweight")]
     return tensors, [n.removesuffix(".weight") for n, t in tensors.items()
-                     if n.endswith(".weight") and t.dtype == torch.float8_e4m3fn]
+                     if n.endswith(".weight") and t.dtype in FP8_DTYPES]
 
 
 def _dequantized(tensors: dict, names: list[str], scheme: HFQuantScheme) -> Iterator[tuple[str, torch.Tensor]]:
