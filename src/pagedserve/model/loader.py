@@ -8,9 +8,6 @@ its weights take one of two roads:
     --quantization none, or tensor parallelism           the tensors are dequantized with gguf-py, once,
         into model.safetensors (fp32, HF tensor names) in the same directory; later loads read that.
 
-A Hugging Face directory loads its safetensors; a quantized one (AWQ, GPTQ, FP8) as blocks or dequantized
-(model/hf_quant.py).
-
     ~/.cache/pagedserve/<gguf stem>-<hash(path, size, mtime)>/   ($PAGEDSERVE_CACHE_DIR overrides the root)
         config.json  tokenizer.json  tokenizer_config.json  chat_template.jinja ...  [model.safetensors]
 
@@ -19,6 +16,9 @@ temporary file and renamed, so each exists complete or not at all. Config and to
 transformers' own GGUF support, run in a child process (pagedserve/model_metadata.py) so that the serving
 process never holds it. Loading reads config.json as a plain object (model/hf_config.py) and the
 tokenizer with transformers' tokenizer classes only: its config classes are not imported on this path.
+
+A Hugging Face directory loads its safetensors; a quantized one (AWQ, GPTQ, FP8) as blocks or dequantized
+(model/hf_quant.py).
 """
 from __future__ import annotations
 
