@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 logger = logging.getLogger(__name__)
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-QUANTIZATIONS = ("gguf", "int8", "none")
+QUANTIZATIONS = ("gguf", "int8", "awq", "gptq", "compressed-tensors", "fp8", "none")
 ATTENTION_BACKENDS = ("auto", "reference", "cpu")
 # The default per-step token budget; without chunked prefill a whole prompt must fit one step, so the default
 # grows to max_model_len there (as vLLM). vLLM's CPU servers take 2048; here 512 serves better on an AMX Xeon
@@ -56,8 +56,9 @@ class ModelConfig:
     chat_template: str | None = None  # path or template text overriding the model's
     # "auto": the compiled CPU paged-attention kernel on CPU when it builds, else "reference" (pure torch).
     attention_backend: str = "auto"
-    # --quantization: "gguf", "int8" or "none"; None = gguf for GGUF files where the block kernels run, else
-    # none (model/weight_quant.py). The engine stores the resolved name.
+    # --quantization: one of QUANTIZATIONS; None = the checkpoint's own method (gguf for GGUF files, awq / gptq /
+    # compressed-tensors / fp8 for such checkpoints) where the block kernels run, else none
+    # (model/weight_quant.py). The engine stores the resolved name.
     quantization: str | None = None
 
     def __post_init__(self) -> None:

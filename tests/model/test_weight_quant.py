@@ -31,7 +31,7 @@ def _logits(loaded, ids: list[int], chunk: int) -> torch.Tensor:
 
 def test_int8_writes_gguf_q8_0_blocks() -> None:
     # --quantization int8 produces the bytes a GGUF file's Q8_0 tensor holds: gguf's own dequantizer reads
-    # them, and each weight is within half a step of its block's fp16 scale.
+    # them, and each weight is within half a step of its block's scale (plus that scale's fp16 rounding).
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
@@ -42,7 +42,7 @@ def test_int8_writes_gguf_q8_0_blocks() -> None:
     assert w.qtypes == (8,) and w.in_features == 128 and w.parts[0].shape == (10, 4 * 34)
     rebuilt = torch.from_numpy(dequantize(w.parts[0].numpy(), GGMLQuantizationType.Q8_0).astype("float32"))
     d = torch.from_numpy(w.parts[0].reshape(10, 4, 34)[..., :2].contiguous().view(torch.float16).float().numpy())
-    assert ((rebuilt - x).abs().reshape(10, 4, 32) <= d / 2 + 1e-7).all()
+    assert ((rebuilt - x).abs().reshape(10, 4, 32) <= 0.55 * d + 1e-7).all()
     assert torch.equal(rebuilt[3, 32:64], torch.zeros(32))
     if kernels.load() is not None:
         assert torch.equal(gguf_dequantize(w), rebuilt)  # what the block kernels multiply
@@ -115,17 +115,18 @@ def test_bad_combinations_name_the_flag(tmp_path) -> None:
                                          if kernels.load() is not None else "--quantization int8"):
         load_model(gguf, quantization="int8")
     with pytest.raises(ValueError, match="--quantization gguf needs a GGUF file"):
-        resolve_quantization("gguf", False, torch.float32, CPU)
+        resolve_quantization("gguf", None, torch.float32, CPU)
     with pytest.raises(ValueError, match=r"--quantization gguf needs --dtype float32 or bfloat16 .* valid values "
                                          r"here: none"):
-        resolve_quantization("gguf", True, torch.float16, CPU)
+        resolve_quantization("gguf", "gguf", torch.float16, CPU)
     with pytest.raises(ValueError, match=r"--quantization int8 needs --dtype float32 or bfloat16 on CPU"):
-        resolve_quantization("int8", False, torch.float16, CPU)
+        resolve_quantization("int8", None, torch.float16, CPU)
     if kernels.load() is not None:  # int8's Q8_0 blocks take bf16 activations like a GGUF file's
-        assert resolve_quantization("int8", False, torch.bfloat16, CPU) == "int8"
-    assert resolve_quantization(None, True, torch.float16, CPU) == "none"  # unset never fails
+        assert resolve_quantization("int8", None, torch.bfloat16, CPU) == "int8"
+    assert resolve_quantization(None, "gguf", torch.float16, CPU) == "none"  # unset never fails
     # bf16 (what --dtype auto picks on CPUs with AMX) keeps the blocks too
-    assert resolve_quantization(None, True, torch.bfloat16, CPU) == ("gguf" if kernels.load() is not None else "none")
-    assert resolve_quantization(None, False, torch.float32, CPU) == "none"
-    with pytest.raises(ValueError, match="--quantization 'q3' is not supported; valid values: gguf, int8, none"):
+    assert resolve_quantization(None, "gguf", torch.bfloat16, CPU) == ("gguf" if kernels.load() is not None else "none")
+    assert resolve_quantization(None, None, torch.float32, CPU) == "none"
+    with pytest.raises(ValueError, match="--quantization 'q3' is not supported; valid values: gguf, int8, awq, gptq, "
+                                         "compressed-tensors, fp8, none"):
         EngineArgs(quantization="q3").create_engine_config()

@@ -69,8 +69,9 @@ class EngineArgs:
         g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=d.attention_backend,
                        help="auto: the compiled CPU kernel on CPU when it builds, else the pure-torch reference")
         g.add_argument("--quantization", "-q", choices=QUANTIZATIONS, default=d.quantization,
-                       help="gguf: GGUF weights stay Q4_1/Q8_0 blocks (default for GGUF files); int8: weight-only "
-                            "int8 for float checkpoints; none: dequantized weights")
+                       help="gguf: GGUF weights stay blocks (default for GGUF files); awq, gptq, "
+                            "compressed-tensors, fp8: such checkpoints' weights as blocks (their default); int8: "
+                            "weight-only int8 for float checkpoints; none: dequantized weights")
         g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
         mem = g.add_mutually_exclusive_group()
         mem.add_argument("--kv-cache-memory", "--kv-cache-memory-bytes", dest="kv_cache_memory_bytes", type=int,

@@ -89,6 +89,21 @@ def _checked_name(gguf_name: str, path: str) -> str:
     return name
 
 
+def linear_sources(model):
+    # (Linear, the checkpoint modules whose weight rows it stacks, in order) for each linear of `model`:
+    # (qkv_proj, [model.layers.N.self_attn.q_proj, ...k_proj, ...v_proj]), (lm_head, [lm_head]).
+    for module_name, m in model.named_modules():
+        if isinstance(m, Linear):
+            parts = module_name.split(".")
+            fused = _FUSED.get(".".join(parts[-2:]))
+            yield m, [module_name] if fused is None else [".".join(parts[:-2] + [s]) for s in fused]
+
+
+def set_blocks(m: Linear, weight: GGUFWeight) -> None:
+    m.weight, m.packed_weight = None, None  # the placeholder goes; the blocks are the weight
+    m.exact_blocks = ("gguf", weight)
+
+
 def load_gguf_blocks(model, gguf: GGUFFile, hf_config) -> None:
     """Loads the file's tensors into `model` (a LlamaForCausalLM built with placeholder weights): block
     types as GGUFWeights in the linears and the embedding, everything else through load_weights."""
@@ -114,18 +129,12 @@ def load_gguf_blocks(model, gguf: GGUFFile, hf_config) -> None:
         else:
             dense.extend(dense_tensors([(t.name, GGMLQuantizationType(t.qtype), data)], arch, hf_config, path))
 
-    for module_name, m in model.named_modules():
-        if not isinstance(m, Linear):
-            continue
-        parts = module_name.split(".")  # model.layers.N.self_attn.qkv_proj, lm_head
-        fused = _FUSED.get(".".join(parts[-2:]))
-        sources = [f"{module_name}.weight"] if fused is None else [".".join(parts[:-2] + [s, "weight"]) for s in fused]
-        found = [blocks.pop(s, None) for s in sources]
+    for m, sources in linear_sources(model):
+        found = [blocks.pop(f"{s}.weight", None) for s in sources]
         if all(w is not None for w in found):
-            m.weight, m.packed_weight = None, None  # the placeholder goes; the blocks are the weight
-            m.exact_blocks = ("gguf", found[0] if len(found) == 1 else concat_rows(found))
+            set_blocks(m, concat_rows(found))
         else:  # a part without a kernel: the whole fused weight stays float32
-            dense.extend((s, gguf_dequantize(w)) for s, w in zip(sources, found) if w is not None)
+            dense.extend((f"{s}.weight", gguf_dequantize(w)) for s, w in zip(sources, found) if w is not None)
     embed = blocks.pop("model.embed_tokens.weight", None)
     if embed is not None:
         model.model.embed_tokens = BlockEmbedding(("gguf", embed), model.model.norm.weight.dtype)

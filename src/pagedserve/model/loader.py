@@ -16,6 +16,9 @@ temporary file and renamed, so each exists complete or not at all. Config and to
 transformers' own GGUF support, run in a child process (pagedserve/model_metadata.py) so that the serving
 process never holds it. Loading reads config.json as a plain object (model/hf_config.py) and the
 tokenizer with transformers' tokenizer classes only: its config classes are not imported on this path.
+
+A Hugging Face directory loads its safetensors; a quantized one (AWQ, GPTQ, FP8) as blocks or dequantized
+(model/hf_quant.py).
 """
 from __future__ import annotations
 
@@ -40,6 +43,8 @@ from pagedserve.malloc import release_free_memory
 from pagedserve.model.gguf_file import open_gguf_file
 from pagedserve.model.gguf_weights import GGUF_ARCHITECTURES, dense_tensors, load_gguf_blocks, unpermute_qk
 from pagedserve.model.hf_config import HFConfig, read_config
+from pagedserve.model.hf_quant import (HFQuantScheme, checkpoint_quantization, dequantized_checkpoint,
+                                       load_quantized_checkpoint)
 from pagedserve.model.layers.parallel import shard_config, shard_weights
 from pagedserve.model.registry import get_model_class, resolve_architecture
 from pagedserve.model.weight_quant import apply_quantization, resolve_quantization
@@ -89,7 +94,9 @@ def load_model(path: str | None = None, device: str | torch.device = "cpu",
                              "tokenizer directory with tokenizer.json)")
     source = _model_source(path)
     is_gguf = not os.path.isdir(source)
-    method = resolve_quantization(quantization, is_gguf, dtype, device)
+    scheme = None if is_gguf else checkpoint_quantization(read_config(source))  # ValueError if unsupported
+    method = resolve_quantization(quantization, "gguf" if is_gguf else scheme.method if scheme else None,
+                                  dtype, device)
     if tp is not None and method != "none":
         # The block kernels take whole weights; a rank's slice stays dense until they learn shards.
         if quantization is not None:
@@ -99,7 +106,8 @@ def load_model(path: str | None = None, device: str | torch.device = "cpu",
     # gguf on a GGUF file: weights come from the file's blocks, so the cache holds only config and tokenizer.
     blocks_from = source if is_gguf and method == "gguf" else None
     model_dir, name = resolve_model_dir(source, weights=blocks_from is None)
-    loaded = _load_hf_dir(model_dir, name, device, dtype, attn_backend, tokenizer, tp, gguf_blocks=blocks_from)
+    loaded = _load_hf_dir(model_dir, name, device, dtype, attn_backend, tokenizer, tp, gguf_blocks=blocks_from,
+                          hf_quant=scheme, hf_blocks=method != "none")
     apply_quantization(loaded.model, method)
     loaded.quantization = method
     release_free_memory()  # the tokenizer's parse of tokenizer.json leaves ~30 MB of freed heap resident
@@ -159,8 +167,11 @@ def _is_complete(cache_dir: str, weights: bool = True) -> bool:
 
 def _load_hf_dir(path: str, model_name: str, device: torch.device, dtype: torch.dtype,
                  attn_backend: str, tokenizer_path: str | None = None,
-                 tp: TensorParallelGroup | None = None, gguf_blocks: str | None = None) -> LoadedModel:
+                 tp: TensorParallelGroup | None = None, gguf_blocks: str | None = None,
+                 hf_quant: HFQuantScheme | None = None, hf_blocks: bool = False) -> LoadedModel:
     # gguf_blocks: a GGUF file whose tensors load as blocks (--quantization gguf) instead of path's weights.
+    # hf_quant: how path's checkpoint is quantized (model/hf_quant.py); hf_blocks: load it as blocks, not
+    # dequantized.
     hf_config = read_config(path)
     model_cls = get_model_class(resolve_architecture(hf_config))  # ValueError before any heavy work
     local_config = hf_config if tp is None else shard_config(hf_config, tp.world_size)  # heads must divide
@@ -175,10 +186,17 @@ def _load_hf_dir(path: str, model_name: str, device: torch.device, dtype: torch.
         _load_gguf_blocks(model, gguf_blocks, hf_config)
     elif tp is None:
         model = model_cls(hf_config, backend, device=device, dtype=dtype)
-        model.load_weights(_iter_safetensors(files))
+        if hf_quant is not None and hf_blocks:
+            load_quantized_checkpoint(model, _iter_safetensors(files), hf_quant)
+        elif hf_quant is not None:
+            model.load_weights(dequantized_checkpoint(_iter_safetensors(files), hf_quant))
+        else:
+            model.load_weights(_iter_safetensors(files))
     else:
         model = model_cls(local_config, backend, device=device, dtype=dtype, tp=tp, vocab_size=hf_config.vocab_size)
-        model.load_weights(shard_weights(_iter_safetensors(files, lazy=True), tp, hf_config.vocab_size))
+        weights = (_iter_safetensors(files, lazy=True) if hf_quant is None
+                   else dequantized_checkpoint(_iter_safetensors(files), hf_quant))
+        model.load_weights(shard_weights(weights, tp, hf_config.vocab_size))
     return LoadedModel(model=model.eval(), hf_config=hf_config, tokenizer=tokenizer,
                        chat_template=getattr(tokenizer, "chat_template", None),
                        eos_token_ids=_eos_token_ids(path, hf_config, tokenizer),

@@ -10,10 +10,14 @@
     int8  weight-only int8 for float32 / bfloat16 Hugging Face checkpoints: each weight is quantized at load
           into GGUF Q8_0 blocks (int8 codes with one fp16 scale per 32 inputs, finer than per channel, the
           bytes a GGUF file would hold) and runs through the same dispatcher as a GGUF file's weights.
-    none  dequantized fp32 (or --dtype) weights, as loaded.
+    awq, gptq, compressed-tensors, fp8  (the default for such Hugging Face checkpoints: config.json's
+          quantization_config) the checkpoint's 4-bit groups become Q4_0 / Q4_1 blocks and its FP8 weights
+          Q8_0 blocks at load (model/hf_quant.py), multiplied as gguf's are.
+    none  dequantized fp32 (or --dtype) weights, as loaded; a quantized Hugging Face checkpoint is
+          dequantized exactly.
 
-Both run with --dtype float32 or bfloat16 (so `auto` keeps the blocks on CPUs with AMX, multiplied in bf16
-by the AMX kernel; layers/gguf_quant.py) and need the compiled kernels.
+Every method but none runs with --dtype float32 or bfloat16 (so `auto` keeps the blocks on CPUs with AMX,
+multiplied in bf16 by the AMX kernel; layers/gguf_quant.py) and needs the compiled kernels.
 Asking for them otherwise is a start-up error naming the flag. Leaving --quantization unset never fails: it
 falls back to none where blocks cannot run.
 """
@@ -35,41 +39,40 @@ from pagedserve.model.layers.linear import Linear, quant_linear
 logger = logging.getLogger(__name__)
 
 
-def resolve_quantization(requested: str | None, is_gguf: bool, dtype: torch.dtype, device: torch.device) -> str:
-    on_cpu = device.type == "cpu" and kernels.load() is not None
-    blocks_run = on_cpu and dtype in (torch.float32, torch.bfloat16)  # the GGUF block dispatcher's dtypes
-    runnable = {"gguf": blocks_run, "int8": blocks_run}
-    method = "gguf" if is_gguf else "int8"
+def resolve_quantization(requested: str | None, stored: str | None, dtype: torch.dtype, device: torch.device) -> str:
+    # stored: how the checkpoint holds its weights: "gguf" (a GGUF file), a Hugging Face quant_method (awq,
+    # gptq, compressed-tensors, fp8: model/hf_quant.py) or None (float weights, which int8 can quantize).
+    own = stored or "int8"  # the one block method this checkpoint takes
+    runnable = device.type == "cpu" and kernels.load() is not None and dtype in (torch.float32, torch.bfloat16)
     if requested is None:
-        return "gguf" if is_gguf and runnable["gguf"] else "none"
+        return stored if stored is not None and runnable else "none"
     if requested not in QUANTIZATIONS:
         raise ValueError(f"--quantization {requested!r} is not supported; valid values: {', '.join(QUANTIZATIONS)}")
-    valid = ", ".join([method, "none"] if runnable[method] else ["none"])
-    if requested == "gguf" and not is_gguf:
-        raise ValueError(f"--quantization gguf needs a GGUF file; for this model use one of: {valid}")
-    if requested == "int8" and is_gguf:
-        raise ValueError(f"--quantization int8 quantizes float Hugging Face checkpoints, not a GGUF file; for this "
-                         f"model use one of: {valid}")
-    if requested != "none" and not runnable[requested]:
+    valid = ", ".join([own, "none"] if runnable else ["none"])
+    if requested not in (own, "none"):
+        held = "a GGUF file" if stored == "gguf" else f"a {stored} checkpoint" if stored else "float weights"
+        if requested == "gguf":
+            why = "needs a GGUF file"
+        elif requested == "int8":
+            why = f"quantizes float Hugging Face checkpoints, not {held}"
+        else:
+            why = f"needs a {requested} checkpoint (config.json quantization_config), this model has {held}"
+        raise ValueError(f"--quantization {requested} {why}; for this model use one of: {valid}")
+    if requested != "none" and not runnable:
         raise ValueError(f"--quantization {requested} needs --dtype float32 or bfloat16 on CPU with the compiled kernels "
                          f"(here: {str(dtype).removeprefix('torch.')} on {device.type}, kernels "
                          f"{'on' if kernels.load() is not None else 'unavailable'}); valid values here: {valid}")
     return requested
 
 
-Q8_0 = 8  # GGML's type id
-BLOCK = 32  # weights per Q8_0 block
-
-
 def quantize_q8_0(weight: torch.Tensor) -> GGUFWeight:
-    # GGUF Q8_0 blocks of a dense [N, K] weight (lossy): per 32 inputs, d = amax / 127 rounded to fp16 and
-    # q = round(w / d), stored as a block's 34 bytes [d f16][32 x int8], exactly as in a GGUF file.
-    n, k = weight.shape
-    blocks = weight.detach().float().reshape(n, k // BLOCK, BLOCK)
-    d = (blocks.abs().amax(-1, keepdim=True) / 127).half()
-    q = torch.round(blocks / d.float().clamp(min=1e-30)).clamp(-127, 127).to(torch.int8)
-    raw = torch.cat((d.view(torch.uint8), q.view(torch.uint8)), dim=-1)  # [n, k / 32, 34]
-    return GGUFWeight((Q8_0,), (raw.reshape(n, -1).contiguous(),), k)
+    # GGUF Q8_0 blocks of a dense [N, K] weight (lossy; K a multiple of 32), written by gguf-py's quantizer:
+    # per 32 inputs an fp16 scale amax / 127 and 32 int8 codes, the bytes a GGUF file would hold.
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    raw = quantize(weight.detach().float().contiguous().numpy(), GGMLQuantizationType.Q8_0)
+    return GGUFWeight((int(GGMLQuantizationType.Q8_0),), (torch.from_numpy(raw),), weight.shape[1])
 
 
 class BlockEmbedding(nn.Module):
@@ -94,13 +97,13 @@ def apply_quantization(model: nn.Module, method: str) -> None:
         if not isinstance(m, Linear):
             continue
         num_linear += 1
-        if method == "int8" and m.weight is not None and m.weight.shape[1] % BLOCK == 0:
+        if method == "int8" and m.weight is not None and m.weight.shape[1] % 32 == 0:
             m.exact_blocks = ("gguf", quantize_q8_0(m.weight))
         if m.exact_blocks is not None:
             m.weight, m.packed_weight = None, None
             num_quantized += 1
     embed = model.model.embed_tokens
-    if method == "int8" and model.lm_head is None and embed.weight is not None and embed.weight.shape[1] % BLOCK == 0:
+    if method == "int8" and model.lm_head is None and embed.weight is not None and embed.weight.shape[1] % 32 == 0:
         model._lm_head_blocks = ("gguf", quantize_q8_0(embed.weight))
     if isinstance(embed, BlockEmbedding):
         pass  # loaded as blocks (model/gguf_weights.py)

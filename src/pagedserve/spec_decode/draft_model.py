@@ -55,7 +55,7 @@ def load_draft(spec: SpeculativeConfig, device: torch.device, dtype: torch.dtype
     loaded = load_model(spec.model, device, dtype, attn_backend, tokenizer,
                         quantization="none" if requantize else spec.quantization)
     if requantize:
-        resolve_quantization("int8", False, dtype, device)  # ValueError where the block kernels cannot run
+        resolve_quantization("int8", None, dtype, device)  # ValueError where the block kernels cannot run
         apply_quantization(loaded.model, "int8")
         loaded.quantization = "int8"
     return loaded

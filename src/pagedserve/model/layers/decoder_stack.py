@@ -6,10 +6,10 @@ model ~6 ms of a ~17 ms one-stream decode step on the Xeon of benchmarks/README.
 the same ops in the same order, so its output is bit-identical to the modules' (tests/model/test_decoder_stack.py).
 
 It serves the common case and leaves everything else to the modules: every linear holds GGUF blocks of one
-type (the default for GGUF files) that gemm_gguf or gemm_gguf_amx multiplies at this batch size, every layer
-attends through the compiled CPU kernel (no sliding window, no reference fallback), no tensor parallelism,
-activations of a dtype the layer kernels take. `build` checks what is fixed per model, `__call__` what
-depends on the step, and returns None to send the step through the modules.
+type in their inputs' natural order (the default for GGUF files) that gemm_gguf or gemm_gguf_amx multiplies at
+this batch size, every layer attends through the compiled CPU kernel (no sliding window, no reference
+fallback), no tensor parallelism, activations of a dtype the layer kernels take. `build` checks what is
+fixed per model, `__call__` what depends on the step, and returns None to send the step through the modules.
 """
 from __future__ import annotations
 
@@ -57,7 +57,8 @@ class DecoderStack:
                     return None
             for m in (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
                 blocks = m.exact_blocks
-                if type(m) is not Linear or blocks is None or blocks[0] != "gguf" or len(blocks[1].parts) != 1:
+                if (type(m) is not Linear or blocks is None or blocks[0] != "gguf" or len(blocks[1].parts) != 1
+                        or blocks[1].in_order is not None):  # the compiled loop does not reorder x
                     return None
         return cls(layers, layers[0].self_attn.rotary_emb)
 

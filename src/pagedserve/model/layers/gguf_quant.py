@@ -8,6 +8,9 @@ ffn_down tensors as Q6_K), so a weight is a list of row segments, one type each:
 
     GGUFWeight(qtypes=(12, 14), parts=(q|k rows as Q4_K, v rows as Q6_K), in_features=576)
 
+A weight whose blocks run along its inputs in another order (act-order GPTQ: model/hf_quant.py) carries that
+order, and x's columns are gathered into it before the multiply.
+
 Every batch size goes through the blocks: a few rows of x through the block GEMM gemm_gguf (bound by
 reading the weights; Q4_0 / Q4_1 / Q8_0 run a hand-vectorized kernel, csrc/gguf_decode.h, in every build but
 baseline), many rows as tiles of at most TILE_BYTES of float32 weights dequantized into a scratch buffer and
@@ -48,6 +51,8 @@ class GGUFWeight:
     qtypes: tuple[int, ...]
     parts: tuple[torch.Tensor, ...]  # uint8 [rows_i, row_bytes_i], contiguous
     in_features: int
+    # The input columns in the blocks' order (y = x[:, in_order] @ blocks^T), None for the natural order.
+    in_order: torch.Tensor | None = None
 
     @property
     def out_features(self) -> int:
@@ -72,6 +77,9 @@ def concat_rows(weights: list[GGUFWeight]) -> GGUFWeight:
     # Row concatenation (fused projections); neighbouring parts of one type merge into one part.
     if len({w.in_features for w in weights}) != 1:
         raise ValueError("fused GGUF weights must share their input size")
+    orders = [w.in_order for w in weights]
+    if any(o is not None for o in orders) and not all(o is not None and torch.equal(o, orders[0]) for o in orders):
+        raise ValueError("fused GGUF weights must share their input order")
     qtypes: list[int] = []
     parts: list[list[torch.Tensor]] = []
     for w in weights:
@@ -82,7 +90,7 @@ def concat_rows(weights: list[GGUFWeight]) -> GGUFWeight:
                 qtypes.append(t)
                 parts.append([p])
     return GGUFWeight(tuple(qtypes), tuple(p[0] if len(p) == 1 else torch.cat(p) for p in parts),
-                      weights[0].in_features)
+                      weights[0].in_features, orders[0])
 
 
 def _ops():
@@ -140,7 +148,7 @@ def gguf_path(ops, dtype: torch.dtype, m: int, qtypes: tuple[int, ...], max_gemv
 def gguf_linear(x: torch.Tensor, w: GGUFWeight, bias: torch.Tensor | None, max_gemv_rows: int) -> torch.Tensor:
     # y = x W^T (+ bias) for float32 or bfloat16 x [M, in_features], any M; y has x's dtype.
     ops, m = _ops(), x.shape[0]
-    x = x.contiguous()
+    x = x.contiguous() if w.in_order is None else x.index_select(1, w.in_order)
     path = gguf_path(ops, x.dtype, m, w.qtypes, max_gemv_rows)
     if path == "gemv":
         return _by_parts(w, bias, lambda p, t, b: ops.gemm_gguf(x, p, t, b))
