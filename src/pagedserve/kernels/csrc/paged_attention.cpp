@@ -47,11 +47,12 @@ constexpr int64_t kChunkBlocks = 16;
 
 constexpr const char* kOp = "paged_attention";
 
-// A call with less work than this (work_estimate: about 0.2 ns each on one core, so some 50 us) runs on the
-// calling thread alone. Waking another thread costs ~10 us on an idle machine, and a scheduler time slice
+// A call with less work than this (work_estimate: about 0.2 ns each on one AVX-512 core, so some 200 us) runs on
+// the calling thread alone. Waking another thread costs ~10 us on an idle machine, and a scheduler time slice
 // (milliseconds) when the other cores are busy: on a 2-vCPU host decode attention at a 10-token context took
-// 3.75 ms per call (issue 25) for 20 us of work.
-constexpr int64_t kSerialWork = int64_t{1} << 18;
+// 3.75 ms per call (issue 25) for 10 us of work. On 2 vCPUs that are one core's hyperthreads a split gains
+// little, so the bound leans to one thread: single-stream decode of a 1B model stays on it to ~300 tokens.
+constexpr int64_t kSerialWork = int64_t{1} << 20;
 
 // The kernel's work for the sequences it attends: per query tile, keys walked x kv heads x head_dim x (2 + the
 // tile's rows per kv head) (reading K and V, and the rows' dot products and weighted sums).
