@@ -1,5 +1,5 @@
 // AMX tile for prefill: bf16 queries on a bf16 or 8-bit cache, head_dim a multiple of 32, more than
-// kDirectRows rows per kv head. Included by attention_tile.h, inside namespace pagedserve, only in the `amx`
+// kDirectChunk (4) rows per kv head. Included by attention_tile.h, inside namespace pagedserve, only in the `amx`
 // variant (PAGEDSERVE_AMX, amx_state.h); decode rows and every other case keep the AVX-512 paths.
 #pragma once
 
@@ -33,7 +33,8 @@ struct AttentionTileConfig : TileConfig {
 template <typename QT, typename CT>
 constexpr bool amx_types_v = std::is_same_v<QT, bf16_t> && !std::is_same_v<CT, float>;
 
-inline bool amx_applies(const Tile& t) { return t.head_dim % 32 == 0 && rows_per_head(t) > kDirectRows; }
+// From 5 rows per kv head, as measured on AMX before the AVX-512 direct path took up to 8 (GQA-8 decode).
+inline bool amx_applies(const Tile& t) { return t.head_dim % 32 == 0 && rows_per_head(t) > kDirectChunk; }
 
 // 32 elements of a cache row (dims d .. d+31) as bf16 codes: the stored bits for bf16, exact conversions
 // for 8-bit rows (their simd_scale is applied by the caller).

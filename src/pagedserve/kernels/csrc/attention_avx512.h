@@ -78,28 +78,41 @@ inline float softmax_update(__m512 s, int64_t limit, float& m, float& l, float* 
   return corr;
 }
 
+// Dims per register pass of accumulate_pv: NR * S accumulators and S value vectors within the 32 zmm registers
+// (S divides NV; head_dim 256 with 4 rows: 4 passes of 64 dims, each reading its quarter of the value rows).
+template <int NR, int NV>
+constexpr int pv_slice() {
+  int s = NV;
+  while ((NR + 1) * s > 30 || NV % s != 0) --s;
+  return s;
+}
+
 // acc rows r0.. r0+NR-1 (in memory) = acc * corr + P x V over nk keys, in registers. v: the first key's
 // value row, rows slot_bytes apart, of type CT with hd elements (8-bit rows: their scale folds into p).
+// Each element's sum runs over the keys in order whatever the slicing.
 template <int NR, int NV, typename CT>
 inline void accumulate_pv(float* acc, const float* p, const float* corr, const uint8_t* v, int64_t slot_bytes,
                           int64_t nk, int64_t hd) {
-  __m512 a[NR][NV];
-  for (int r = 0; r < NR; ++r) {
-    const __m512 c = _mm512_set1_ps(corr[r]);
-    for (int i = 0; i < NV; ++i) a[r][i] = _mm512_mul_ps(_mm512_loadu_ps(acc + r * 16 * NV + 16 * i), c);
-  }
-  for (int64_t j = 0; j < nk; ++j) {
-    const uint8_t* row = v + j * slot_bytes;
-    __m512 vv[NV];
-    for (int i = 0; i < NV; ++i) vv[i] = load16<CT>(row + 16 * i * sizeof(CT));
-    const float scale = simd_scale<CT>(row, hd);
+  constexpr int S = pv_slice<NR, NV>();
+  for (int i0 = 0; i0 < NV; i0 += S) {
+    __m512 a[NR][S];
     for (int r = 0; r < NR; ++r) {
-      const __m512 pj = _mm512_set1_ps(is_8bit_v<CT> ? p[r * 16 + j] * scale : p[r * 16 + j]);
-      for (int i = 0; i < NV; ++i) a[r][i] = _mm512_fmadd_ps(pj, vv[i], a[r][i]);
+      const __m512 c = _mm512_set1_ps(corr[r]);
+      for (int i = 0; i < S; ++i) a[r][i] = _mm512_mul_ps(_mm512_loadu_ps(acc + r * 16 * NV + 16 * (i0 + i)), c);
     }
+    for (int64_t j = 0; j < nk; ++j) {
+      const uint8_t* row = v + j * slot_bytes;
+      __m512 vv[S];
+      for (int i = 0; i < S; ++i) vv[i] = load16<CT>(row + 16 * (i0 + i) * sizeof(CT));
+      const float scale = simd_scale<CT>(row, hd);
+      for (int r = 0; r < NR; ++r) {
+        const __m512 pj = _mm512_set1_ps(is_8bit_v<CT> ? p[r * 16 + j] * scale : p[r * 16 + j]);
+        for (int i = 0; i < S; ++i) a[r][i] = _mm512_fmadd_ps(pj, vv[i], a[r][i]);
+      }
+    }
+    for (int r = 0; r < NR; ++r)
+      for (int i = 0; i < S; ++i) _mm512_storeu_ps(acc + r * 16 * NV + 16 * (i0 + i), a[r][i]);
   }
-  for (int r = 0; r < NR; ++r)
-    for (int i = 0; i < NV; ++i) _mm512_storeu_ps(acc + r * 16 * NV + 16 * i, a[r][i]);
 }
 
 // accumulate_pv with the row count known at run time (nr <= RC).
@@ -145,7 +158,7 @@ inline int64_t causal_limit(const Tile& t, int64_t row, int64_t kp0) {
 inline float* align64(float* p) { return p + (16 - (reinterpret_cast<uintptr_t>(p) / sizeof(float)) % 16) % 16; }
 
 template <int NV>
-constexpr int kRowChunk = NV <= 4 ? 6 : 3;  // rows per register chunk: RC * NV accumulators + NV values
+constexpr int kRowChunk = NV <= 4 ? 6 : 3;  // rows per register chunk (accumulate_pv slices the dims)
 
 // The floats attend_rows_transposed needs in `buf`.
 template <int NV, typename CT>
@@ -196,17 +209,52 @@ void attend_rows_transposed(const Tile& t, const float* q, float* acc, float* m,
   });
 }
 
-// At most kDirectRows rows per head (NR of them): dot products straight from the cache rows.
-constexpr int64_t kDirectRows = 4;
+// At most kDirectRows rows per head (decode: one token x a GQA group of up to 8): dot products straight from the
+// cache rows, in passes of at most kDirectChunk rows over each sub-block (NR * 16 partial sums and NR * S
+// accumulators per pass; the passes after a head's first read its key and value rows from L1). A row's
+// arithmetic is the same whichever pass holds it.
+constexpr int64_t kDirectRows = 8, kDirectChunk = 4;
 
+// Tile rows r0 .. r0+NR-1, all of one kv head, against the nk keys of one sub-block: kh and vh are the head's
+// first key and value rows. The first ahead_n key rows' counterparts kPrefetchBlocks blocks on (ahead_at, the
+// same head) are requested as the key rows are read.
 template <int NR, int NV, typename CT>
-void attend_rows_direct(const Tile& t, const float* q, float* acc, float* m, float* l) {
+void direct_pass(const Tile& t, const float* q, float* acc, float* m, float* l, int64_t r0, int64_t kp0, int64_t nk,
+                 const uint8_t* kh, const uint8_t* vh, int64_t ahead_n, int64_t ahead_at) {
   constexpr int D = 16 * NV;
   alignas(64) float p[NR * 16];
   float corr[NR];
   alignas(64) float scales[16] = {};  // 8-bit rows' scales; lanes past nk keep finite values
   __m512 part[NR][16];  // part[r][j]: q_r * k_j lane by lane, summed over the row's NV vectors
-  const int64_t last_pos = last_key(t), bs = t.block_size;
+  const float* qr0 = q + r0 * D;
+  for (int j = 0; j < 16; ++j) {
+    if (j >= nk) {
+      for (int r = 0; r < NR; ++r) part[r][j] = _mm512_setzero_ps();
+      continue;
+    }
+    const uint8_t* row = kh + j * t.slot_bytes;
+    if (j < ahead_n) prefetch_rows(t, ahead_at + j * t.slot_bytes);
+    __m512 kv[NV];
+    for (int i = 0; i < NV; ++i) kv[i] = load16<CT>(row + 16 * i * sizeof(CT));
+    if constexpr (is_8bit_v<CT>) scales[j] = simd_scale<CT>(row, D);
+    for (int r = 0; r < NR; ++r) {
+      __m512 x = _mm512_mul_ps(_mm512_loadu_ps(qr0 + r * D), kv[0]);
+      for (int i = 1; i < NV; ++i) x = _mm512_fmadd_ps(_mm512_loadu_ps(qr0 + r * D + 16 * i), kv[i], x);
+      part[r][j] = x;
+    }
+  }
+  for (int r = 0; r < NR; ++r) {
+    __m512 s = sum_lanes16(part[r]);
+    if constexpr (is_8bit_v<CT>) s = _mm512_mul_ps(s, _mm512_load_ps(scales));  // lanes past nk: masked
+    const int64_t row = r0 + r;
+    corr[r] = softmax_update(s, std::min(nk, causal_limit(t, row, kp0)), m[row], l[row], p + r * 16);
+  }
+  accumulate_pv<NR, NV, CT>(acc + r0 * D, p, corr, vh, t.slot_bytes, nk, D);
+}
+
+template <int NV, typename CT>
+void attend_rows_direct(const Tile& t, const float* q, float* acc, float* m, float* l) {
+  const int64_t last_pos = last_key(t), bs = t.block_size, rph = rows_per_head(t);
   for_each_sub_block<false>(t, [&](int64_t kp0, int64_t nk, int64_t slot0) {
     if (kp0 == t.key_begin)
       for (int64_t i = 1; i < kPrefetchBlocks; ++i) prefetch_block(t, kp0 / bs + i, last_pos);
@@ -217,31 +265,17 @@ void attend_rows_direct(const Tile& t, const float* q, float* acc, float* m, flo
     const int64_t ahead_at = ahead_n > 0 ? (t.table[ahead] * bs + kp0 % bs) * t.slot_bytes : 0;
     for (int64_t h = 0; h < t.kv_heads; ++h) {
       const uint8_t* kh = t.k_cache + slot0 * t.slot_bytes + h * t.row_bytes;
-      const float* qh = q + h * NR * D;
-      for (int j = 0; j < 16; ++j) {
-        if (j >= nk) {
-          for (int r = 0; r < NR; ++r) part[r][j] = _mm512_setzero_ps();
-          continue;
-        }
-        const uint8_t* row = kh + j * t.slot_bytes;
-        if (j < ahead_n) prefetch_rows(t, ahead_at + j * t.slot_bytes + h * t.row_bytes);
-        __m512 kv[NV];
-        for (int i = 0; i < NV; ++i) kv[i] = load16<CT>(row + 16 * i * sizeof(CT));
-        if constexpr (is_8bit_v<CT>) scales[j] = simd_scale<CT>(row, D);
-        for (int r = 0; r < NR; ++r) {
-          __m512 x = _mm512_mul_ps(_mm512_loadu_ps(qh + r * D), kv[0]);
-          for (int i = 1; i < NV; ++i) x = _mm512_fmadd_ps(_mm512_loadu_ps(qh + r * D + 16 * i), kv[i], x);
-          part[r][j] = x;
+      const uint8_t* vh = t.v_cache + slot0 * t.slot_bytes + h * t.row_bytes;
+      const int64_t at = ahead_at + h * t.row_bytes;
+      for (int64_t r0 = h * rph; r0 < (h + 1) * rph; r0 += kDirectChunk) {
+        const int64_t n_ahead = r0 == h * rph ? ahead_n : 0;
+        switch (std::min(kDirectChunk, (h + 1) * rph - r0)) {  // register-resident rows: a compile-time count
+          case 4: direct_pass<4, NV, CT>(t, q, acc, m, l, r0, kp0, nk, kh, vh, n_ahead, at); break;
+          case 3: direct_pass<3, NV, CT>(t, q, acc, m, l, r0, kp0, nk, kh, vh, n_ahead, at); break;
+          case 2: direct_pass<2, NV, CT>(t, q, acc, m, l, r0, kp0, nk, kh, vh, n_ahead, at); break;
+          default: direct_pass<1, NV, CT>(t, q, acc, m, l, r0, kp0, nk, kh, vh, n_ahead, at); break;
         }
       }
-      for (int r = 0; r < NR; ++r) {
-        __m512 s = sum_lanes16(part[r]);
-        if constexpr (is_8bit_v<CT>) s = _mm512_mul_ps(s, _mm512_load_ps(scales));  // lanes past nk: masked
-        const int64_t row = h * NR + r;
-        corr[r] = softmax_update(s, std::min(nk, causal_limit(t, row, kp0)), m[row], l[row], p + r * 16);
-      }
-      accumulate_pv<NR, NV, CT>(acc + h * NR * D, p, corr, t.v_cache + slot0 * t.slot_bytes + h * t.row_bytes,
-                                t.slot_bytes, nk, D);
     }
   });
 }
@@ -255,12 +289,10 @@ void attend_rows_avx512(const Tile& t, const float* q, float* o, float* lse, std
   float* m = acc + rows * D;
   float* l = m + rows;
   std::fill(m, m + rows, kMinScore);
-  switch (rph) {
-    case 1: attend_rows_direct<1, NV, CT>(t, q, acc, m, l); break;
-    case 2: attend_rows_direct<2, NV, CT>(t, q, acc, m, l); break;
-    case 3: attend_rows_direct<3, NV, CT>(t, q, acc, m, l); break;
-    case kDirectRows: attend_rows_direct<kDirectRows, NV, CT>(t, q, acc, m, l); break;
-    default: attend_rows_transposed<NV, CT>(t, q, acc, m, l, l + rows); break;
+  if (rph <= kDirectRows) {
+    attend_rows_direct<NV, CT>(t, q, acc, m, l);
+  } else {
+    attend_rows_transposed<NV, CT>(t, q, acc, m, l, l + rows);
   }
   normalize_rows(acc, m, l, rows, D, o, lse);
 }

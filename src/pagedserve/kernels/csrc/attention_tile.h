@@ -236,6 +236,7 @@ inline void attend_rows(const Tile& t, const float* q, float* o, float* lse, std
     case 128: return attend_rows_avx512<8, CT>(t, q, o, lse, scratch);
     case 32: return attend_rows_avx512<2, CT>(t, q, o, lse, scratch);
     case 96: return attend_rows_avx512<6, CT>(t, q, o, lse, scratch);
+    case 256: return attend_rows_avx512<16, CT>(t, q, o, lse, scratch);
     default: break;
   }
 #endif

@@ -2,7 +2,8 @@
 // their scale: kv_types.h), float32 arithmetic (in the amx variant, bf16 prefill tiles multiply on AMX tiles with
 // float32 sums: attention_amx.h). Registered as torch.ops.pagedserve_<isa>.* (ops_library.h); built on first use by
 // pagedserve/kernels/__init__.py through torch.utils.cpp_extension and cached. Threads come from ATen's
-// pool (at::parallel_for), so they follow torch.set_num_threads and never oversubscribe it.
+// pool (at::parallel_for), so they follow torch.set_num_threads and never oversubscribe it; a call with little
+// work (decode at short contexts) runs on the calling thread alone (kSerialWork).
 //
 // paged_attention reads K/V in place through block tables: no per-request copies. One work item is a
 // tile of up to kTileQ query tokens of one sequence (x its kv heads); its rows are the tile's tokens x
@@ -45,6 +46,27 @@ constexpr int64_t kMinSharedBlocks = 4;
 constexpr int64_t kChunkBlocks = 16;
 
 constexpr const char* kOp = "paged_attention";
+
+// A call with less work than this (work_estimate: about 0.2 ns each on one AVX-512 core, so some 200 us) runs on
+// the calling thread alone. Waking another thread costs ~10 us on an idle machine, and a scheduler time slice
+// (milliseconds) when the other cores are busy: on a 2-vCPU host decode attention at a 10-token context took
+// 3.75 ms per call (issue 25) for 10 us of work. On 2 vCPUs that are one core's hyperthreads a split gains
+// little, so the bound leans to one thread: single-stream decode of a 1B model stays on it to ~300 tokens.
+constexpr int64_t kSerialWork = int64_t{1} << 20;
+
+// The kernel's work for the sequences it attends: per query tile, keys walked x kv heads x head_dim x (2 + the
+// tile's rows per kv head) (reading K and V, and the rows' dot products and weighted sums).
+template <typename F>
+int64_t work_estimate(const int64_t* qsl, const int64_t* lens, int64_t num_seqs, int64_t num_kv_heads,
+                      int64_t head_dim, int64_t group, F&& in_kernel) {
+  int64_t work = 0;
+  for (int64_t i = 0; i < num_seqs; ++i) {
+    if (!in_kernel(i)) continue;
+    const int64_t q_len = qsl[i + 1] - qsl[i], tiles = (q_len + kTileQ - 1) / kTileQ;
+    work += tiles * lens[i] * num_kv_heads * head_dim * (2 + std::min(q_len, kTileQ) * group);
+  }
+  return work;
+}
 
 // Shapes, dtypes and layouts; then query_start_loc, seq_lens and the used block-table entries, so that
 // every offset the kernel computes below stays inside its tensor. O(num_seqs + blocks used + tokens).
@@ -169,11 +191,26 @@ at::Tensor paged_attention_typed(const at::Tensor& query, const at::Tensor& key,
   uint8_t* k_cache = static_cast<uint8_t*>(kv_cache.data_ptr());
   uint8_t* v_cache = k_cache + kv_cache.stride(0) * kv_cache.element_size();
 
+  const int64_t num_seqs = seq_lens.numel();
+  const int64_t* qsl = query_start_loc.data_ptr<int64_t>();
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  auto in_kernel = [&](int64_t i) {
+    const int64_t q_len = qsl[i + 1] - qsl[i];
+    return q_len > 0 && (max_q_len < 0 || q_len <= max_q_len);
+  };
+  const int64_t num_threads =
+      work_estimate(qsl, lens, num_seqs, num_kv_heads, head_dim, group, in_kernel) < kSerialWork
+          ? 1 : at::get_num_threads();
+  // at::parallel_for's grain: the whole range (on this thread) for a small call.
+  auto grain = [&](int64_t n, int64_t g) { return num_threads == 1 ? std::max<int64_t>(n, 1) : g; };
+
   // 1. Write K/V (a token sees its own key), quantizing for an 8-bit cache.
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   const QT* kp = static_cast<const QT*>(key.data_ptr());
   const QT* vp = static_cast<const QT*>(value.data_ptr());
-  at::parallel_for(0, num_tokens * num_kv_heads, 64, [&](int64_t begin, int64_t end) {
+  // (Rows go at least 1,024 per thread: a thread woken for fewer costs more than their copies.)
+  const int64_t num_rows = num_tokens * num_kv_heads;
+  at::parallel_for(0, num_rows, grain(num_rows, 1024), [&](int64_t begin, int64_t end) {
     for (int64_t w = begin; w < end; ++w) {
       const int64_t t = w / num_kv_heads, h = w % num_kv_heads;
       const int64_t dst = slots[t] * slot_bytes + h * row_bytes;
@@ -183,15 +220,8 @@ at::Tensor paged_attention_typed(const at::Tensor& query, const at::Tensor& key,
   });
 
   // 2. Work items: one Tile each (attention_tile.h).
-  const int64_t num_seqs = seq_lens.numel();
-  const int64_t* qsl = query_start_loc.data_ptr<int64_t>();
-  const int64_t* lens = seq_lens.data_ptr<int64_t>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t table_width = block_tables.size(1);
-  auto in_kernel = [&](int64_t i) {
-    const int64_t q_len = qsl[i + 1] - qsl[i];
-    return q_len > 0 && (max_q_len < 0 || q_len <= max_q_len);
-  };
   const std::vector<SharedPrefix> groups =
       max_q_len == 0 ? std::vector<SharedPrefix>{} : shared_prefixes(qsl, lens, tables, table_width, num_seqs,
                                                                       block_size);
@@ -268,7 +298,7 @@ at::Tensor paged_attention_typed(const at::Tensor& query, const at::Tensor& key,
   int64_t num_tiles = 0;
   for (int64_t i = 0; i < num_seqs; ++i)
     if (in_kernel(i) && !grouped[i]) num_tiles += (qsl[i + 1] - qsl[i] + kTileQ - 1) / kTileQ;
-  const int64_t heads_per_item = num_tiles >= 2 * at::get_num_threads() ? num_kv_heads : 1;
+  const int64_t heads_per_item = num_tiles >= 2 * num_threads ? num_kv_heads : 1;
   for (int64_t i = 0; i < num_seqs; ++i) {
     if (!in_kernel(i) || grouped[i]) continue;
     const int64_t q_len = qsl[i + 1] - qsl[i];
@@ -282,7 +312,7 @@ at::Tensor paged_attention_typed(const at::Tensor& query, const at::Tensor& key,
   // Each thread takes the next item until none is left.
   const int64_t num_items = static_cast<int64_t>(items.size());
   std::atomic<int64_t> next{0};
-  at::parallel_for(0, std::min<int64_t>(num_items, at::get_num_threads()), 1, [&](int64_t, int64_t) {
+  at::parallel_for(0, std::min(num_items, num_threads), 1, [&](int64_t, int64_t) {
     pagedserve::TileScratch scratch;
     for (int64_t w = next++; w < num_items; w = next++) pagedserve::attend_tile<QT, CT>(items[w], scratch);
   });
@@ -291,7 +321,7 @@ at::Tensor paged_attention_typed(const at::Tensor& query, const at::Tensor& key,
   for (size_t g = 0; g < groups.size(); ++g) {
     const SharedPrefix& sp = groups[g];
     const int64_t slots = (sp.blocks + kChunkBlocks - 1) / kChunkBlocks + 1;
-    at::parallel_for(0, sp.n * num_heads, 16, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, sp.n * num_heads, grain(sp.n * num_heads, 16), [&](int64_t begin, int64_t end) {
       std::vector<float> acc(head_dim);
       for (int64_t w = begin; w < end; ++w) {
         const int64_t m = w / num_heads, hq = w % num_heads;

@@ -1,0 +1,171 @@
+"""paged_attention alone, over the shapes of the models people run: decode at short and long contexts, a prefill.
+
+    python benchmarks/attention_shapes.py --before HEAD~1 --out benchmarks/results/attention_shapes.json
+    python benchmarks/attention_shapes.py --isa avx2 --shapes llama-1b gemma-1b --contexts 10 --num-seqs 1
+
+Each configuration is one kernel call (ops.paged_attention: write this step's K/V, attend) on a hot cache, blocks
+of 16, sequence i owning blocks i, i + n, i + 2n, ... (scattered): decode of --num-seqs sequences at each
+--contexts length, and one --prefill-len token prompt. float32 and bf16 (queries, K/V and cache alike).
+--before REF also builds paged_attention.cpp as it was at git REF (into its own op namespace, beside this
+tree's) and times both, interleaved round by round and configuration by configuration, so that load from
+other processes on a shared machine hits both alike; each number is the median over --rounds.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import machine_info, write_json  # noqa: E402
+
+from pagedserve import envs, kernels  # noqa: E402
+from pagedserve.kernels import isa  # noqa: E402
+
+BLOCK_SIZE = 16
+# name: (query heads, kv heads, head_dim)
+SHAPES = {
+    "llama-1b": (32, 8, 64),
+    "llama-3b": (24, 8, 128),
+    "qwen2.5-1.5b": (12, 2, 128),
+    "gemma-1b": (8, 4, 256),
+    "smollm2-135m": (9, 3, 64),
+    "64h-8kv-128": (64, 8, 128),
+    "phi-like": (16, 16, 96),
+}
+CSRC = os.path.join(os.path.dirname(os.path.abspath(kernels.__file__)), "csrc")
+
+
+def build_before(ref: str, variant_name: str):
+    # paged_attention.cpp and the headers of csrc/ at git `ref`, compiled alone with the variant's flags into the
+    # namespace pagedserve_before_<variant> (cached by cpp_extension under the pagedserve cache directory).
+    (variant,) = isa.choose(variant_name)
+    root = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=CSRC, capture_output=True, text=True,
+                          check=True).stdout.strip()
+    commit = subprocess.run(["git", "rev-parse", ref], cwd=root, capture_output=True, text=True,
+                            check=True).stdout.strip()
+    src_dir = os.path.join(tempfile.gettempdir(), f"pagedserve-before-{commit[:12]}")
+    rel = os.path.relpath(CSRC, root)
+    if not os.path.isdir(src_dir):
+        os.makedirs(src_dir)
+        archive = subprocess.run(["git", "archive", commit, rel], cwd=root, capture_output=True, check=True).stdout
+        subprocess.run(["tar", "-x", "-C", src_dir, "--strip-components", str(len(rel.split(os.sep)))],
+                       input=archive, check=True)
+    namespace = f"pagedserve_before_{variant.name}"
+    flags = [f for f in kernels._cflags(variant) if not f.startswith("-DPAGEDSERVE_OPS_NS=")]
+    from torch.utils.cpp_extension import load as cpp_load
+
+    build_dir = os.path.join(envs.cache_dir(), "kernels", f"before-{variant.name}-{commit[:12]}")
+    os.makedirs(build_dir, exist_ok=True)
+    cpp_load(name=f"{namespace}_{commit[:12]}", sources=[os.path.join(src_dir, "paged_attention.cpp")],
+             build_directory=build_dir, extra_cflags=[*flags, f"-DPAGEDSERVE_OPS_NS={namespace}"],
+             extra_ldflags=kernels._LDFLAGS, is_python_module=False, verbose=False)
+    return getattr(torch.ops, namespace), commit
+
+
+def decode_inputs(num_seqs: int, context: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                  gen: torch.Generator) -> tuple:
+    nb = -(-(context + 1) // BLOCK_SIZE)
+    tables = torch.tensor([[i + b * num_seqs for b in range(nb)] for i in range(num_seqs)])
+    slots = tables[:, context // BLOCK_SIZE] * BLOCK_SIZE + context % BLOCK_SIZE
+    lens = torch.full((num_seqs,), context + 1)
+    return (*new_tokens(num_seqs, heads, kv_heads, head_dim, dtype, gen), cache(tables.numel(), kv_heads, head_dim,
+                                                                             dtype, gen),
+            slots, tables, lens, torch.arange(num_seqs + 1))
+
+
+def prefill_inputs(n: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                   gen: torch.Generator) -> tuple:
+    nb = -(-n // BLOCK_SIZE)
+    tables = torch.arange(nb)[None]
+    return (*new_tokens(n, heads, kv_heads, head_dim, dtype, gen), cache(nb, kv_heads, head_dim, dtype, gen),
+            torch.arange(n), tables, torch.tensor([n]), torch.tensor([0, n]))
+
+
+def new_tokens(n: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, gen: torch.Generator):
+    return tuple(torch.randn(n, h, head_dim, generator=gen).to(dtype) for h in (heads, kv_heads, kv_heads))
+
+
+def cache(num_blocks: int, kv_heads: int, head_dim: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    return torch.randn(2, num_blocks, BLOCK_SIZE, kv_heads, head_dim, generator=gen).to(dtype)
+
+
+def time_variants(variants: dict, args: tuple, scale: float, rounds: int) -> dict[str, float]:
+    # Microseconds per call, median over rounds; each round runs every variant for about 20 ms.
+    calls = {name: (lambda ops=ops: ops.paged_attention(*args, scale, -1)) for name, ops in variants.items()}
+    reps = {}
+    for name, call in calls.items():
+        call()
+        t0 = time.perf_counter()
+        call()
+        reps[name] = max(1, min(300, int(0.02 / max(time.perf_counter() - t0, 1e-7))))
+    times = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, call in calls.items():
+            t0 = time.perf_counter()
+            for _ in range(reps[name]):
+                call()
+            times[name].append((time.perf_counter() - t0) / reps[name] * 1e6)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--isa", default=None, help="kernel variant (default: this process's choice)")
+    p.add_argument("--before", default=None, help="git ref whose paged_attention.cpp is timed beside this tree's")
+    p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    p.add_argument("--num-seqs", type=int, nargs="+", default=[1, 16])
+    p.add_argument("--contexts", type=int, nargs="+", default=[10, 100, 1000, 4000])
+    p.add_argument("--prefill-len", type=int, default=512, help="0: no prefill")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--num-threads", type=int, default=None)
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    isa_name = args.isa or kernels.selected_isa()
+    variants = {}
+    commit = None
+    if args.before:
+        variants["before"], commit = build_before(args.before, isa_name)
+    variants["after"] = kernels.load_isa(isa_name)
+    result = {"machine": machine_info(), "isa": isa_name, "command": " ".join(sys.argv), "before_commit": commit,
+              "block_size": BLOCK_SIZE, "unit": "microseconds per paged_attention call, median of rounds",
+              "rows": []}
+    gen = torch.Generator().manual_seed(0)
+    configs = [("decode", n, c) for n in args.num_seqs for c in args.contexts]
+    if args.prefill_len:
+        configs.append(("prefill", 1, args.prefill_len))
+    for shape in args.shapes:
+        heads, kv_heads, head_dim = SHAPES[shape]
+        for dtype_name in args.dtypes:
+            dtype = getattr(torch, dtype_name)
+            for kind, num_seqs, tokens in configs:
+                inputs = (decode_inputs(num_seqs, tokens, heads, kv_heads, head_dim, dtype, gen) if kind == "decode"
+                          else prefill_inputs(tokens, heads, kv_heads, head_dim, dtype, gen))
+                us = time_variants(variants, inputs, head_dim ** -0.5, args.rounds)
+                row = {"shape": shape, "num_heads": heads, "num_kv_heads": kv_heads, "head_dim": head_dim,
+                       "dtype": dtype_name, "kind": kind, "num_seqs": num_seqs,
+                       "context" if kind == "decode" else "prompt_len": tokens,
+                       **{f"us_{name}": round(t, 1) for name, t in us.items()}}
+                if "before" in us:
+                    row["speedup"] = round(us["before"] / us["after"], 2)
+                result["rows"].append(row)
+                print(f"{shape:13s} {dtype_name:8s} {kind:7s} {num_seqs:2d} x {tokens:5d}  "
+                      + "  ".join(f"{name} {t:9.1f} us" for name, t in us.items())
+                      + (f"  x{row['speedup']:.2f}" if "speedup" in row else ""), flush=True)
+                del inputs
+    result["load_avg_1_5_15_end"] = list(os.getloadavg())
+    if args.out:
+        write_json(args.out, result)
+
+
+if __name__ == "__main__":
+    main()
