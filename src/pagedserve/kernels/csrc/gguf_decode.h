@@ -1,6 +1,7 @@
-// Hand-vectorized decode GEMM (a few rows of x) over raw Q4_0 / Q4_1 / Q8_0 blocks, for the avx512 / amx
-// variants (16 float lanes) and avx2 (AVX2 + FMA + F16C, 8 lanes); the baseline build defines nothing here
-// and gguf_gemm.cpp keeps its portable loop.
+// Hand-vectorized decode GEMM (a few rows of x) over raw GGUF blocks of every type gguf_blocks.h lists, for
+// the avx512 / amx variants (16 float lanes) and avx2 (AVX2 + FMA + F16C, 8 lanes); the baseline build
+// defines nothing here and gguf_gemm.cpp keeps its portable loop. The blocks are rebuilt in registers by
+// gguf_rebuild.h; below, Q4_0 / Q4_1 / Q8_0 on avx512 with up to 4 rows of x take their own table kernel.
 //
 // Decode reads every weight once per token, so the work per block of 32 weights must cost less than reading
 // its 18-34 bytes (about 1 ns per block per core at this machine's ~11 GB/s per thread). The portable loop
