@@ -140,6 +140,7 @@ std::tuple<Tensor, Tensor> decoder_layers(const Tensor& embeddings, const Tensor
 PAGEDSERVE_LIBRARY_FRAGMENT(m) {
   m.def("decoder_layers(Tensor x, Tensor positions, Tensor(a!)[] kv_caches, Tensor slot_mapping, "
         "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale, Tensor cos_sin, Tensor[] norms, "
-        "Tensor[] weights, int[] qtypes, int[] parts, Tensor?[] biases, int[] amx, int[] heads, float eps) -> (Tensor, Tensor)");
+        "Tensor[] weights, int[] qtypes, int[] parts, Tensor?[] biases, int[] amx, int[] heads, float eps) "
+        "-> (Tensor, Tensor)");
   m.impl("decoder_layers", c10::DispatchKey::CPU, decoder_layers);
 }

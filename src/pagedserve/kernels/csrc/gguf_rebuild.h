@@ -101,7 +101,7 @@ struct Rebuild {
       w[1] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1))));
     } else {
       // byte j holds q[j] (low nibble) and q[j + 16] (high nibble)
-      const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (T == kQ4_1 ? 4 : 2))));
+      const __m512i q = indices(b + (T == kQ4_1 ? 4 : 2));
       __m512i lo = _mm512_and_si512(q, _mm512_set1_epi32(15)), hi = _mm512_srli_epi32(q, 4);
       if constexpr (T == kQ4_1) {
         const Vec m = _mm512_broadcastss_ps(_mm_movehdup_ps(dm));
@@ -156,7 +156,8 @@ struct Q5 {
     const __m256i bits = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201));
     const __m256i spread = _mm256_shuffle_epi8(  // byte j <- byte j / 8 of qh
         _mm256_set1_epi32(static_cast<int>(qh)),
-        _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+        _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                         2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
     const __m256i fifth = keep(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bits), bits), 16);
 #endif
     __m256i q = _mm256_or_si256(nibbles(bytes16(b + (T == kQ5_1 ? 8 : 6))), fifth);
@@ -229,8 +230,8 @@ struct Rebuild<kQ6_K> {
     _mm512_store_ps(s, _mm512_mul_ps(set1(d), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes16(blk + 192)))));
 #else
     const __m128i sc = bytes16(blk + 192);
-    _mm256_store_ps(s, _mm256_mul_ps(set1(d), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc))));
-    _mm256_store_ps(s + 8, _mm256_mul_ps(set1(d), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(sc, sc)))));
+    _mm256_store_ps(s, mul(set1(d), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc))));
+    _mm256_store_ps(s + 8, mul(set1(d), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(sc, sc)))));
 #endif
   }
 
@@ -255,7 +256,8 @@ struct Rebuild<kIQ4_XS> {
   explicit Rebuild(const uint8_t* blk) : b(blk) {
     // scale j: nibble j of scales_l (4 bytes from 4), and bits 2j, 2j + 1 of scales_h (2 bytes from 2) above
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    const __m256i low = _mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(u32(blk + 4))), _mm256_slli_epi32(lane, 2));
+    const __m256i low =
+        _mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(u32(blk + 4))), _mm256_slli_epi32(lane, 2));
     const __m256i high = _mm256_srlv_epi32(_mm256_set1_epi32(blk[2] | (blk[3] << 8)), _mm256_add_epi32(lane, lane));
     const __m256i sc = _mm256_or_si256(_mm256_and_si256(low, _mm256_set1_epi32(15)),
                                        _mm256_slli_epi32(_mm256_and_si256(high, _mm256_set1_epi32(3)), 4));

@@ -6,10 +6,11 @@ model ~6 ms of a ~17 ms one-stream decode step on the Xeon of benchmarks/README.
 the same ops in the same order, so its output is bit-identical to the modules' (tests/model/test_decoder_stack.py).
 
 It serves the common case and leaves everything else to the modules: every linear holds GGUF blocks (the
-default for GGUF files; a fused weight may have parts of several types, as a Q4_K_M qkv_proj does) that gemm_gguf or gemm_gguf_amx multiplies at this batch size, every layer
-attends through the compiled CPU kernel (no sliding window, no reference fallback), no tensor parallelism,
-activations of a dtype the layer kernels take. `build` checks what is fixed per model, `__call__` what
-depends on the step, and returns None to send the step through the modules.
+default for GGUF files; a fused weight may have parts of several types, as a Q4_K_M qkv_proj does) that
+gemm_gguf or gemm_gguf_amx multiplies at this batch size, every layer attends through the compiled CPU
+kernel (no sliding window, no reference fallback), no tensor parallelism, activations of a dtype the layer
+kernels take. `build` checks what is fixed per model, `__call__` what depends on the step, and returns None
+to send the step through the modules.
 """
 from __future__ import annotations
 
