@@ -3,17 +3,22 @@
     python benchmarks/gguf_gemv.py                         # rows 1,2,4,8,16,32,64; 2 threads; 5 rounds
     python benchmarks/gguf_gemv.py --rows 1,16 --threads 1
     python benchmarks/gguf_gemv.py --rows 1,2,4,8 --out benchmarks/results/gguf_gemv.json
+    python benchmarks/gguf_gemv.py --model llama1b --types Q4_K,Q6_K --rows 1,4,8,16 --isas baseline
 
-The embedded model's shapes (SmolLM2-135M: hidden 576, intermediate 1536, vocab 49152; Q4_1 layers, the tied
-LM head Q8_0) with random blocks. Weights are cold as in a decode step: every call takes the next of copies
+--model smollm (default): the embedded model's shapes (SmolLM2-135M: hidden 576, intermediate 1536, vocab
+49152; Q4_1 layers, the tied LM head Q8_0) with random blocks. --model llama1b: Llama-3.2-1B's (hidden 2048,
+8 KV heads of 64, intermediate 8192, SmolLM2's vocab of 49152 for the LM head) in each of --types (random
+bytes: the time does not depend on the values). --isas adds gemm_gguf on float32 x of other kernel variants
+(baseline: the portable loop) as columns. Weights are cold as in a decode step: every call takes the next of copies
 spanning about the model's size (96 MB), so a weight is evicted from L2 before it is read again. Prints
 microseconds per call, the median over rounds that interleave the paths:
   gemv bf16   gemm_gguf on bf16 x (bf16 out): what `--dtype auto` runs for few rows
   amx bf16    gemm_gguf_amx (amx variant only): bf16 tiles, the bf16 path for more rows
   gemv f32    gemm_gguf on float32 x
   tiles f32   float32 tiles dequantized per call + torch's GEMM: the float32 path for many rows
-Run with another checkout's interpreter to time its gemm_gguf (paths it lacks are left out). --out also
-writes the table as JSON, with the load average before and after (the machine may be shared).
+Then GB/s: the weight bytes read per second by each path. Run with another checkout's interpreter to time its
+gemm_gguf (paths it lacks are left out). --out also writes the table as JSON, with the load average before
+and after (the machine may be shared).
 """
 from __future__ import annotations
 
@@ -30,21 +35,27 @@ from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
 from pagedserve import kernels
-from pagedserve.model.layers.gguf_quant import GGUFWeight, gguf_dequantize
+from pagedserve.model.layers.gguf_quant import GGUF_BLOCK_TYPES, GGUFWeight, gguf_dequantize, row_bytes
 
 SHAPES = [("qkv_proj", 960, 576, GGMLQuantizationType.Q4_1), ("o_proj", 576, 576, GGMLQuantizationType.Q4_1),
           ("gate_up_proj", 3072, 576, GGMLQuantizationType.Q4_1), ("down_proj", 576, 1536, GGMLQuantizationType.Q4_1),
           ("lm_head", 49152, 576, GGMLQuantizationType.Q8_0)]
+# (name, rows, cols) of Llama-3.2-1B; each is timed in every type of --types
+LLAMA_1B_SHAPES = [("q/o_proj", 2048, 2048), ("k/v_proj", 512, 2048), ("gate/up_proj", 8192, 2048),
+                   ("down_proj", 2048, 8192), ("lm_head", 49152, 2048)]
 SPAN_BYTES = 96 << 20
 
 
-def copies(rows: int, cols: int, qtype) -> list[torch.Tensor]:
-    raw = torch.from_numpy(quantize(np.random.default_rng(0).standard_normal((rows, cols)).astype(np.float32) * 0.1,
-                                    qtype))
+def copies(rows: int, cols: int, qtype, quantized: bool = True) -> list[torch.Tensor]:
+    if quantized:
+        raw = torch.from_numpy(quantize(
+            np.random.default_rng(0).standard_normal((rows, cols)).astype(np.float32) * 0.1, qtype))
+    else:
+        raw = torch.randint(0, 256, (rows, row_bytes(int(qtype), cols)), dtype=torch.uint8)
     return [raw.clone() for _ in range(max(2, SPAN_BYTES // raw.numel()))]
 
 
-def paths(ops, qtype: int, cols: int):
+def paths(ops, qtype: int, cols: int, other_isas: list[str]):
     # name -> fn((x float32, x bf16), w); a path this build lacks is left out.
     out = {}
     try:
@@ -56,6 +67,9 @@ def paths(ops, qtype: int, cols: int):
         out["amx bf16"] = lambda x, w: ops.gemm_gguf_amx(x[1], w, qtype, None)
     out["gemv f32"] = lambda x, w: ops.gemm_gguf(x[0], w, qtype, None)
     out["tiles f32"] = lambda x, w: x[0] @ gguf_dequantize(GGUFWeight((qtype,), (w,), cols)).t()
+    for name in other_isas:
+        other = kernels.load_isa(name)
+        out[f"f32 {name}"] = lambda x, w, other=other: other.gemm_gguf(x[0], w, qtype, None)
     return out
 
 
@@ -75,7 +89,10 @@ def main() -> None:
     ap.add_argument("--rows", default="1,2,4,8,16,32,64")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--shapes", default=",".join(s[0] for s in SHAPES))
+    ap.add_argument("--shapes", help="names of the shapes to time (default: all of the model's)")
+    ap.add_argument("--model", choices=("smollm", "llama1b"), default="smollm")
+    ap.add_argument("--types", default=",".join(t[0] for t in GGUF_BLOCK_TYPES.values()), help="llama1b's types")
+    ap.add_argument("--isas", default="", help="other kernel variants whose gemm_gguf f32 to time too")
     ap.add_argument("--out", help="also write the results as JSON here")
     args = ap.parse_args()
     result = {"command": " ".join(sys.argv), "started_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
@@ -85,14 +102,22 @@ def main() -> None:
     ops = kernels.load()
     result["variant"], result["kernels"] = kernels.selected_isa(), os.path.dirname(kernels.__file__)
     print(f"variant {result['variant']}, {args.threads} threads; us per call, median of {args.rounds} rounds")
-    for name, rows, cols, qtype in SHAPES:
-        if name not in args.shapes.split(","):
+    if args.model == "smollm":
+        shapes = SHAPES
+    else:
+        shapes = [(f"{name} {t}", rows, cols, GGMLQuantizationType[t]) for name, rows, cols in LLAMA_1B_SHAPES
+                  for t in args.types.split(",")]
+    for name, rows, cols, qtype in shapes:
+        if args.shapes and name.split(" ")[0] not in args.shapes.split(","):
             continue
-        ws = copies(rows, cols, qtype)
-        fns = paths(ops, int(qtype), cols)
-        print(f"\n{name} [{rows} x {cols}] {qtype.name}, {len(ws)} copies")
-        print("rows " + "".join(f"{p:>12}" for p in fns))
-        table = result["shapes"][name] = {"rows": rows, "cols": cols, "type": qtype.name, "us": {}}
+        ws = copies(rows, cols, qtype, quantized=args.model == "smollm")
+        fns = paths(ops, int(qtype), cols, [i for i in args.isas.split(",") if i])
+        if args.model == "llama1b":  # gemm_gguf f32 only: dequantizing a 49152 x 2048 LM head per call is 400 MB
+            fns = {p: fn for p, fn in fns.items() if p == "gemv f32" or p.startswith("f32 ")}
+        gigabytes = ws[0].numel() / 1e9
+        print(f"\n{name} [{rows} x {cols}] {qtype.name}, {len(ws)} copies; us per call (GB/s of weights)")
+        print("rows " + "".join(f"{p:>20}" for p in fns))
+        table = result["shapes"][name] = {"rows": rows, "cols": cols, "type": qtype.name, "us": {}, "GB/s": {}}
         for m in (int(r) for r in args.rows.split(",")):
             x = torch.randn(m, cols)
             x = (x, x.bfloat16())
@@ -103,7 +128,9 @@ def main() -> None:
                     us, pos = time_path(fn, x, ws, pos)
                     times[p].append(us)
             table["us"][m] = {p: round(statistics.median(t), 1) for p, t in times.items()}
-            print(f"{m:>4} " + "".join(f"{us:>12.1f}" for us in table["us"][m].values()), flush=True)
+            table["GB/s"][m] = {p: round(gigabytes / (us * 1e-6), 2) for p, us in table["us"][m].items()}
+            print(f"{m:>4} " + "".join(f"{us:>12.1f} ({table['GB/s'][m][p]:>5.1f})"
+                                       for p, us in table["us"][m].items()), flush=True)
     result["load_avg_after"] = os.getloadavg()
     if args.out:
         with open(args.out, "w") as f:

@@ -1,8 +1,8 @@
 """The compiled decoder stack (model/layers/decoder_stack.py) computes what the layer modules compute, bit for
 bit: logits and every layer's KV cache, for decode rows, prefill chunks and mixed batches, float32 and bfloat16,
-on weights the AMX GEMM takes (Q4_1) and on weights only gemm_gguf takes (Q4_K). Where some layer needs the
-modules (a weight of several types, a batch that goes through dequantized tiles, the reference attention) the
-model runs the modules."""
+on weights the AMX GEMM takes (Q4_1), on weights only gemm_gguf takes (Q4_K) and on fused weights of several
+types (Q4_K_M-like). Where some layer needs the modules (a float weight, a batch that goes through dequantized
+tiles, the reference attention) the model runs the modules."""
 from __future__ import annotations
 
 import pytest
@@ -43,10 +43,16 @@ def _forward(model, seqs, caches, tables):
     return model.compute_logits(model(ids, positions, caches, meta)), meta, ids, positions
 
 
+# every linear of one type, or LAYER_TYPES: qkv Q4_K + Q5_K + Q6_K, gate_up Q5_0 + Q5_1, every kernel type
+LAYER_QTYPES = {"Q4_1": {kind: T.Q4_1 for kind in LAYER_TYPES}, "Q4_K": {kind: T.Q4_K for kind in LAYER_TYPES},
+                "mixed": LAYER_TYPES}
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("qtype", [T.Q4_1, T.Q4_K])
-def test_stack_equals_modules(tmp_path, qtype, dtype) -> None:
-    model = _model(tmp_path, {kind: qtype for kind in LAYER_TYPES}, dtype)
+@pytest.mark.parametrize("types", list(LAYER_QTYPES))
+def test_stack_equals_modules(tmp_path, types, dtype) -> None:
+    qtypes = LAYER_QTYPES[types]
+    model = _model(tmp_path, qtypes, dtype)
     gen = torch.Generator().manual_seed(0)
     caches = [c.copy_(torch.randn(c.shape, generator=gen)) for c in
               allocate_kv_caches(2, NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM, dtype, "cpu")]
@@ -64,18 +70,18 @@ def test_stack_equals_modules(tmp_path, qtype, dtype) -> None:
         assert torch.equal(got, want), f"{seqs}: logits differ by {(got - want).abs().max()}"
         for layer, (a, b) in enumerate(zip(stack_caches, caches)):
             assert torch.equal(a, b), f"{seqs}: layer {layer}'s cache differs"
-    # Batches that gguf_linear sends through dequantized tiles run the modules: Q4_K (no vectorized decode
-    # kernel) above 8 rows; Q4_1 above 64 rows, or above 8 in the baseline build (never for bf16 on AMX).
+    # Batches that gguf_linear sends through dequantized tiles run the modules: above 64 rows, or above 8 in
+    # the baseline build (never for bf16 Q4_1 on AMX).
     ops = kernels.load()
-    tiles = [gguf_path(ops, dtype, sum(q for _, q in seqs), (int(qtype),), QUANT_MAX_TOKENS) == "tiles"
-             for seqs in BATCHES]
+    tiles = [any(gguf_path(ops, dtype, sum(q for _, q in seqs), (int(t),), QUANT_MAX_TOKENS) == "tiles"
+                 for t in set(qtypes.values())) for seqs in BATCHES]
     assert used == [not t for t in tiles]
     if kernels.selected_isa() != "baseline":
-        assert used == ([True, True, True, True] if qtype == T.Q4_1 else [True, True, True, False])
+        assert used == [True, True, True, True]
 
 
 def test_modules_serve_what_the_stack_does_not(tmp_path) -> None:
-    assert DecoderStack.build(_model(tmp_path, LAYER_TYPES, torch.float32)) is None  # qkv of three types
+    assert DecoderStack.build(_model(tmp_path, dict(LAYER_TYPES, attn_v=T.F16), torch.float32)) is None  # float qkv
     assert DecoderStack.build(_model(tmp_path, dict(LAYER_TYPES, attn_q=T.Q4_1, attn_k=T.Q4_1, attn_v=T.Q4_1,
                                                     ffn_gate=T.Q4_1, ffn_up=T.Q4_1),
                                      torch.float32)) is not None

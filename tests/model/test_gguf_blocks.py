@@ -25,28 +25,33 @@ from pagedserve.quality import teacher_forced_logits
 from pagedserve.worker.kv_cache import allocate_kv_caches
 
 T = GGMLQuantizationType
-TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
+TYPES = [T(t) for t in gguf_quant.GGUF_BLOCK_TYPES]
+# Where each type keeps its fp16 scales (d; Q4_1 / Q5_1's m; the K-quants' dmin): byte offsets in a block.
+SCALE_FIELDS = {T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2), T.Q8_0: (0,), T.Q4_K: (0, 2),
+                T.Q5_K: (0, 2), T.Q6_K: (208,), T.IQ4_XS: (0,)}
 ISAS = kernels.parity_isas()
 pytestmark = pytest.mark.skipif(not ISAS, reason="the compiled kernels could not be built here")
+
+
+def raw_blocks(qtype: GGMLQuantizationType, rows: int, cols: int, rng: np.random.Generator,
+               scale: float | None = None) -> np.ndarray:
+    # uint8 [rows, row_bytes] of random bytes (every bit pattern of quants, packed scales and high bits) with
+    # finite fp16 scales: random moderate ones, or all `scale`.
+    elems, nbytes = GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, (rows, cols // elems, nbytes), dtype=np.uint8)
+    size = 2e-4 if qtype in (T.Q6_K, T.IQ4_XS) else 1e-3  # their 8-bit scales or values: weights of ~1
+    for at in SCALE_FIELDS[qtype]:
+        values = np.full(raw.shape[:2], scale) if scale is not None else rng.random(raw.shape[:2]) * size + size / 10
+        raw[..., at:at + 2] = values.astype(np.float16).view(np.uint8).reshape(*raw.shape[:2], 2)
+    return raw.reshape(rows, -1)
 
 
 def random_blocks(qtype: GGMLQuantizationType, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
     # uint8 [rows, row_bytes] as a GGUF file stores a [rows, cols] weight of this type.
     try:
         return quantize(rng.standard_normal((rows, cols)).astype(np.float32) * 0.1, qtype)
-    except NotImplementedError:  # gguf-py dequantizes the K-quants but cannot quantize them
-        elems, nbytes = GGML_QUANT_SIZES[qtype]
-        raw = rng.integers(0, 256, (rows, cols // elems, nbytes), dtype=np.uint8)
-
-        def f16(scale: float) -> np.ndarray:
-            return (rng.random(raw.shape[:2]) * scale + scale / 10).astype(np.float16).view(np.uint8).reshape(
-                *raw.shape[:2], 2)
-
-        if qtype == T.Q6_K:
-            raw[..., 208:210] = f16(2e-4)  # d is the block's last field
-        else:
-            raw[..., 0:2], raw[..., 2:4] = f16(1e-3), f16(1e-3)  # d, dmin
-        return raw.reshape(rows, -1)
+    except NotImplementedError:  # gguf-py dequantizes the K-quants and IQ4_XS but cannot quantize them
+        return raw_blocks(qtype, rows, cols, rng)
 
 
 def reference(raw: np.ndarray, qtype: GGMLQuantizationType) -> torch.Tensor:
@@ -77,42 +82,48 @@ def test_block_kernels_match_gguf_dequantize(isa_name: str, qtype, monkeypatch) 
             torch.testing.assert_close(gguf_linear(x[:m], w, bias, max_gemv_rows=8), want, rtol=1e-5, atol=1e-5)
 
 
+def test_scale_fields_cover_every_type() -> None:
+    assert set(SCALE_FIELDS) == set(TYPES)
+
+
 @pytest.mark.parametrize("isa_name", ISAS)
-@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q8_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_decode_kernel_equals_dequantized_matmul(isa_name: str, qtype) -> None:
-    # gemm_gguf on the types with a vectorized decode kernel (csrc/gguf_decode.h; the portable loop in
-    # baseline) is the dequantized float32 weight times x up to the order of the float32 sums. K = 96 (3
-    # blocks, not a multiple of 256), 23 weight rows (not a multiple of the 4 or 2 rows a tile takes), every
-    # pass of rows of x (8, 4, 3, 2, 1), x rows further apart than a row; bf16 x gives the same sums rounded
-    # once to bf16.
+    # gemm_gguf (the vectorized decode kernel of csrc/gguf_decode.h; the portable loop in baseline) is gguf's
+    # dequantized weight times x up to the order of the float32 sums, on random bytes. 3 blocks per row (K =
+    # 96 or 768), 23 weight rows (not a multiple of the 4 or 2 rows a tile takes), 1 to 17 rows of x (passes
+    # of 8, 4, 3, 2 and 1), x rows further apart than a row; bf16 x gives the same sums rounded once to bf16.
     rng = np.random.default_rng(int(qtype))
-    rows, cols = 23, 96
-    raw = random_blocks(qtype, rows, cols, rng)
+    rows, cols = 23, 3 * GGML_QUANT_SIZES[qtype][0]
+    raw = raw_blocks(qtype, rows, cols, rng)
     ref, w = reference(raw, qtype).double(), torch.from_numpy(raw.copy())
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(40, cols + 32, generator=gen)[:, :cols]
+    x = torch.randn(17, cols + 32, generator=gen)[:, :cols]
     xb = x.bfloat16()
     bias = torch.randn(rows, generator=gen)
     with kernels.use_isa(isa_name) as ops:
-        for m in (1, 2, 3, 5, 8, 13, 17, 40):
+        assert torch.equal(ops.dequant_gguf(w, int(qtype)), reference(raw, qtype))  # bit for bit
+        for m in range(1, 18):
             for b in (None, bias):
-                want = x[:m].double() @ ref.T + (0 if b is None else b.double())
+                extra = 0 if b is None else b.double()
+                want = x[:m].double() @ ref.T + extra
                 y = ops.gemm_gguf(x[:m], w, int(qtype), b)
                 assert y.dtype == torch.float32
-                torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=1e-5)
+                # float32 sums in any order: within K * 2^-24 of the sum of |terms| (one wrong weight in a
+                # row of 768 is ~1e-3 of it)
+                bound = cols * 2 ** -24 * (x[:m].double().abs() @ ref.abs().T + abs(extra))
+                assert ((y.double() - want).abs() <= bound).all(), f"{m} rows: off by {(y.double() - want).abs().max()}"
                 yb = ops.gemm_gguf(xb[:m], w, int(qtype), None if b is None else b.bfloat16())
                 wantb = xb[:m].double() @ ref.T + (0 if b is None else b.bfloat16().double())
                 assert yb.dtype == torch.bfloat16
                 torch.testing.assert_close(yb.double(), wantb.bfloat16().double(), rtol=8e-3, atol=1e-5)
-        # exact sums: integer-valued x and weights (scales 1) leave no rounding, so every output is exact
-        ones = raw.copy().reshape(rows, cols // 32, -1)
-        ones[..., 0:2] = np.array([1], np.float16).view(np.uint8)
-        if qtype == T.Q4_1:
-            ones[..., 2:4] = np.array([-3], np.float16).view(np.uint8)
-        exact = torch.from_numpy(ones.reshape(rows, -1))
+        # exact sums: scales of 1 and integer x make every weight and partial sum an integer below 2^24, so
+        # every output is exact whatever the order
+        ones = raw_blocks(qtype, rows, cols, rng, scale=1.0)
+        exact = torch.from_numpy(ones)
         xi = torch.randint(-4, 5, (9, cols), generator=gen).float()
         assert torch.equal(ops.gemm_gguf(xi, exact, int(qtype), None),
-                           (xi.double() @ reference(ones.reshape(rows, -1), qtype).double().T).float())
+                           (xi.double() @ reference(ones, qtype).double().T).float())
         assert torch.equal(ops.gemm_gguf(xi.bfloat16(), exact, int(qtype), None),
                            ops.gemm_gguf(xi, exact, int(qtype), None).bfloat16())
 
@@ -199,18 +210,22 @@ def test_bf16_activations_through_blocks(isa_name: str, qtype) -> None:
             torch.testing.assert_close(y.float(), want, rtol=1e-2, atol=3e-2)
 
 
-def test_mixed_type_rows_and_bad_input() -> None:
-    # A fused projection whose parts have different types (as in Q4_K_M files: q/k Q4_K, v Q6_K).
+@pytest.mark.parametrize("isa_name", ISAS)
+def test_mixed_type_rows_and_bad_input(isa_name: str) -> None:
+    # A fused projection whose parts have different types (as in Q4_K_M files: q/k Q4_K, v Q6_K), one call.
     rng = np.random.default_rng(7)
-    parts = [(T.Q4_K, 64), (T.Q4_K, 32), (T.Q6_K, 32)]
+    parts = [(T.Q4_K, 64), (T.Q4_K, 32), (T.Q6_K, 32), (T.IQ4_XS, 8)]
     raws = [random_blocks(t, n, 256, rng) for t, n in parts]
     fused = concat_rows([as_weight(r, t, 256) for r, (t, _) in zip(raws, parts)])
-    assert fused.qtypes == (int(T.Q4_K), int(T.Q6_K)) and [p.shape[0] for p in fused.parts] == [96, 32]
+    assert fused.qtypes == (int(T.Q4_K), int(T.Q6_K), int(T.IQ4_XS))
+    assert [p.shape[0] for p in fused.parts] == [96, 32, 8]
     ref = torch.cat([reference(r, t) for r, (t, _) in zip(raws, parts)])
-    x = torch.randn(12, 256)
-    for m in (1, 12):
-        torch.testing.assert_close(gguf_linear(x[:m], fused, None, max_gemv_rows=8), x[:m] @ ref.T,
-                                   rtol=1e-5, atol=1e-5)
+    x = torch.randn(12, 256, generator=torch.Generator().manual_seed(0))
+    bias = torch.randn(136, generator=torch.Generator().manual_seed(1))
+    with kernels.use_isa(isa_name):
+        for m in (1, 5, 12):  # block GEMM, then dequantized tiles
+            torch.testing.assert_close(gguf_linear(x[:m], fused, bias, max_gemv_rows=8), x[:m] @ ref.T + bias,
+                                       rtol=1e-5, atol=1e-5)
     ops = kernels.load()
     with pytest.raises(RuntimeError, match="gemm_gguf: x has 128 features, the weight's rows hold 256"):
         ops.gemm_gguf(torch.randn(1, 128), fused.parts[0], int(T.Q4_K), None)
@@ -226,7 +241,7 @@ HIDDEN, INTER, VOCAB, HEADS, KV_HEADS = 256, 512, 96, 4, 2
 # Every kernel type somewhere, fused projections of mixed types, a type without a kernel (F16) in a fused
 # weight, and an F32 norm.
 LAYER_TYPES = {"attn_q": T.Q4_K, "attn_k": T.Q5_K, "attn_v": T.Q6_K, "attn_output": T.Q4_0,
-               "ffn_gate": T.Q5_0, "ffn_up": T.Q5_1, "ffn_down": T.Q8_0}
+               "ffn_gate": T.Q5_0, "ffn_up": T.Q5_1, "ffn_down": T.IQ4_XS}
 
 
 def tiny_config(tied: bool):

@@ -1,6 +1,6 @@
 """`--quantization`: weights that stay quantized in memory, one resident copy each.
 
-    gguf  (the default for GGUF files) every Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K tensor is
+    gguf  (the default for GGUF files) every Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K / IQ4_XS tensor is
           copied from the file as its raw blocks, its only resident copy (model/gguf_weights.py); no fp32 form
           is built. A few rows multiply through the block GEMM (up to 4-64 by type, dtype and kernel
           variant); larger batches dequantize tiles of at most 8 MB into a scratch buffer for torch's GEMM

@@ -4,15 +4,17 @@
 // dtype and layout checks, splits, views) cost ~6 ms of a ~17 ms step of the embedded 30-layer model on one
 // stream. Each op is still called through the dispatcher (its own checks included); the handles are looked up
 // once.
-//   decoder_layers(x, positions, kv_caches, <attention metadata>, scale, cos_sin, norms, weights, qtypes, biases,
-//                  amx, heads, eps) -> (x, residual)
-// Per layer i: norms[2i], norms[2i+1] (input / post-attention RMSNorm weights); weights[4i..4i+3] (qkv, o,
-// gate_up, down: GGUF block rows of one type each, qtypes alike), biases likewise (None for none); amx[4i+j]
-// multiplies that weight with gemm_gguf_amx instead of gemm_gguf (model/layers/gguf_quant.py picks, as it does
+//   decoder_layers(x, positions, kv_caches, <attention metadata>, scale, cos_sin, norms, weights, qtypes, parts,
+//                  biases, amx, heads, eps) -> (x, residual)
+// Per layer i: norms[2i], norms[2i+1] (input / post-attention RMSNorm weights); linears 4i..4i+3 (qkv, o,
+// gate_up, down), linear j made of parts[j] row segments of GGUF blocks of one type each (a Q4_K_M qkv_proj:
+// Q4_K and Q6_K), listed in order in weights and their types in qtypes; biases[j] (None for none); amx[j]
+// multiplies linear j with gemm_gguf_amx instead of gemm_gguf (model/layers/gguf_quant.py picks, as it does
 // per call from Python); heads = [num_heads, num_kv_heads, head_dim]. x: the embeddings [tokens, hidden];
 // returns the last layer's output and the residual stream (the hidden state is their sum, pre-final-norm).
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/cat.h>
 
 #include <optional>
 #include <string>
@@ -73,25 +75,41 @@ std::tuple<Tensor, Tensor> decoder_layers(const Tensor& embeddings, const Tensor
                                           const Tensor& block_tables, const Tensor& seq_lens,
                                           const Tensor& query_start_loc, double scale, const Tensor& cos_sin,
                                           const std::vector<Tensor>& norms, const std::vector<Tensor>& weights,
-                                          c10::IntArrayRef qtypes, const std::vector<OptTensor>& biases,
+                                          c10::IntArrayRef qtypes, c10::IntArrayRef parts,
+                                          const std::vector<OptTensor>& biases,
                                           c10::IntArrayRef amx, c10::IntArrayRef heads, double eps) {
   constexpr const char* op = "decoder_layers";
   const auto layers = static_cast<int64_t>(kv_caches.size());
   TORCH_CHECK(layers > 0, op, ": no layers");
   TORCH_CHECK(norms.size() == 2 * kv_caches.size(), op, ": ", norms.size(), " norm weights for ", layers, " layers");
-  const size_t n_weights = 4 * kv_caches.size();
-  TORCH_CHECK(weights.size() == n_weights && qtypes.size() == n_weights && biases.size() == n_weights &&
-                  amx.size() == n_weights,
-              op, ": weights, qtypes, biases and amx need 4 entries per layer (", n_weights, "), got ",
-              weights.size(), ", ", qtypes.size(), ", ", biases.size(), ", ", amx.size());
+  const size_t n_linears = 4 * kv_caches.size();
+  TORCH_CHECK(parts.size() == n_linears && biases.size() == n_linears && amx.size() == n_linears, op,
+              ": parts, biases and amx need 4 entries per layer (", n_linears, "), got ", parts.size(), ", ",
+              biases.size(), ", ", amx.size());
+  std::vector<size_t> first(n_linears + 1, 0);  // linear j's parts: weights[first[j] .. first[j + 1] - 1]
+  for (size_t j = 0; j < n_linears; ++j) {
+    TORCH_CHECK(parts[j] > 0, op, ": linear ", j, " has ", parts[j], " parts");
+    first[j + 1] = first[j] + parts[j];
+  }
+  TORCH_CHECK(weights.size() == first.back() && qtypes.size() == first.back(), op, ": the parts need ",
+              first.back(), " weights and qtypes, got ", weights.size(), " and ", qtypes.size());
   TORCH_CHECK(heads.size() == 3 && heads[0] > 0 && heads[1] > 0 && heads[2] > 0, op,
               ": heads must be [num_heads, num_kv_heads, head_dim], got ", heads);
   TORCH_CHECK(embeddings.dim() == 2, op, ": x must be [tokens, hidden], got shape ", embeddings.sizes());
   const Ops& o = ops();
   const int64_t tokens = embeddings.size(0), q_size = heads[0] * heads[2], kv_size = heads[1] * heads[2];
+  auto gemm = [&](const Tensor& x, size_t j, size_t part, const OptTensor& bias) {
+    return amx[j] ? amx_gemm().call(x, weights[part], qtypes[part], bias, std::nullopt)
+                  : o.gemm.call(x, weights[part], qtypes[part], bias);
+  };
   auto linear = [&](const Tensor& x, size_t j) {
-    return amx[j] ? amx_gemm().call(x, weights[j], qtypes[j], biases[j], std::nullopt)
-                  : o.gemm.call(x, weights[j], qtypes[j], biases[j]);
+    if (parts[j] == 1) return gemm(x, j, first[j], biases[j]);
+    // the parts side by side, then the bias: as gguf_quant.py's _by_parts
+    std::vector<Tensor> ys;
+    for (size_t p = first[j]; p < first[j + 1]; ++p) ys.push_back(gemm(x, j, p, std::nullopt));
+    Tensor y = at::cat(ys, 1);
+    if (biases[j].has_value() && biases[j]->defined()) y.add_(*biases[j]);
+    return y;
   };
   Tensor x = embeddings, residual;
   for (int64_t i = 0; i < layers; ++i) {
@@ -122,6 +140,7 @@ std::tuple<Tensor, Tensor> decoder_layers(const Tensor& embeddings, const Tensor
 PAGEDSERVE_LIBRARY_FRAGMENT(m) {
   m.def("decoder_layers(Tensor x, Tensor positions, Tensor(a!)[] kv_caches, Tensor slot_mapping, "
         "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale, Tensor cos_sin, Tensor[] norms, "
-        "Tensor[] weights, int[] qtypes, Tensor?[] biases, int[] amx, int[] heads, float eps) -> (Tensor, Tensor)");
+        "Tensor[] weights, int[] qtypes, int[] parts, Tensor?[] biases, int[] amx, int[] heads, float eps) "
+        "-> (Tensor, Tensor)");
   m.impl("decoder_layers", c10::DispatchKey::CPU, decoder_layers);
 }

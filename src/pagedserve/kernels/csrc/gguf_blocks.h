@@ -2,7 +2,8 @@
 // and a block rebuilds `Elems` float32 weights from `Bytes` bytes. Types are GGML's ids (gguf-py's
 // GGMLQuantizationType). The formulas follow ggml's reference dequantizers in the same arithmetic order,
 // so a block rebuilds the very floats gguf.quants.dequantize returns: every product below is exact in
-// float32 (an fp16 scale times a small integer) except Q6_K's (d * scale) * q, computed in that order.
+// float32 (an fp16 scale times a small integer) except Q6_K's (d * scale) * q and IQ4_XS's
+// (d * scale) * value, computed in that order.
 //
 //   Q4_0  [d f16][16 B: q[j] | q[j+16] << 4]                     w = d * (q - 8)
 //   Q4_1  [d f16][m f16][16 B nibbles]                           w = d * q + m
@@ -13,6 +14,9 @@
 //                                                                w = (d * sc) * q - dmin * mn, per 32
 //   Q5_K  256: as Q4_K plus [32 B: 5th bits] before the nibbles
 //   Q6_K  256: [128 B low nibbles][64 B: 2 high bits][16 x int8 scales][d f16]   w = (d * sc) * (q - 32), per 16
+//   IQ4_XS 256: [d f16][scales_h u16: 8 x 2 high bits][scales_l 4 B: 8 x 4 low bits][128 B nibbles]
+//                                        w = (d * (sc - 32)) * kIq4Values[q], per 32 (sub-block j: bytes 16j..16j+15,
+//                                        low nibbles weights 0-15, high nibbles 16-31)
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -25,7 +29,8 @@
 
 namespace pagedserve::gguf {
 
-enum Type : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
+enum Type : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14,
+                     kIQ4_XS = 23 };
 
 template <int64_t T>
 struct Format;
@@ -37,6 +42,7 @@ template <> struct Format<kQ8_0> { static constexpr int64_t kElems = 32, kBytes 
 template <> struct Format<kQ4_K> { static constexpr int64_t kElems = 256, kBytes = 144; };
 template <> struct Format<kQ5_K> { static constexpr int64_t kElems = 256, kBytes = 176; };
 template <> struct Format<kQ6_K> { static constexpr int64_t kElems = 256, kBytes = 210; };
+template <> struct Format<kIQ4_XS> { static constexpr int64_t kElems = 256, kBytes = 136; };
 
 // (elements, bytes) per block, or (0, 0) for a type without a kernel.
 inline void block_shape(int64_t type, int64_t& elems, int64_t& bytes) {
@@ -49,6 +55,7 @@ inline void block_shape(int64_t type, int64_t& elems, int64_t& bytes) {
     case kQ4_K: elems = 256, bytes = 144; return;
     case kQ5_K: elems = 256, bytes = 176; return;
     case kQ6_K: elems = 256, bytes = 210; return;
+    case kIQ4_XS: elems = 256, bytes = 136; return;
     default: elems = 0, bytes = 0;
   }
 }
@@ -59,7 +66,7 @@ inline int64_t features(const at::Tensor& w, int64_t type, const char* op) {
   int64_t elems, bytes;
   block_shape(type, elems, bytes);
   TORCH_CHECK(elems > 0, op, ": GGML type ", type, " has no kernel; supported: Q4_0 (2), Q4_1 (3), Q5_0 (6), ",
-              "Q5_1 (7), Q8_0 (8), Q4_K (12), Q5_K (13), Q6_K (14)");
+              "Q5_1 (7), Q8_0 (8), Q4_K (12), Q5_K (13), Q6_K (14), IQ4_XS (23)");
   TORCH_CHECK(w.size(1) > 0 && w.size(1) % bytes == 0, op, ": a row of w must be whole blocks of ", bytes,
               " bytes for type ", type, ", got ", w.size(1), " bytes");
   return w.size(1) / bytes * elems;
@@ -86,6 +93,15 @@ inline void scale_min_k4(int j, const uint8_t* s, int& sc, int& mn) {
     sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
     mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
   }
+}
+
+// IQ4_XS's (and IQ4_NL's) 16 non-linear values a nibble stands for.
+constexpr int8_t kIq4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+// IQ4_XS: sub-block j's scale minus 32, from 4 low bits in scales_l and 2 high bits in scales_h.
+inline int iq4xs_scale(int j, const uint8_t* b) {
+  const int high = ((b[2] | (b[3] << 8)) >> (2 * j)) & 3;
+  return (((b[4 + j / 2] >> (4 * (j & 1))) & 15) | (high << 4)) - 32;
 }
 
 template <int64_t T>
@@ -166,6 +182,16 @@ inline void dequant_block(const uint8_t* b, float* w) {
         y[l + 32] = s[is + 2] * static_cast<float>(q2);
         y[l + 64] = s[is + 4] * static_cast<float>(q3);
         y[l + 96] = s[is + 6] * static_cast<float>(q4);
+      }
+    }
+  } else if constexpr (T == kIQ4_XS) {
+    const float d = f16(b);
+    for (int j = 0; j < 8; ++j) {
+      const float dl = d * static_cast<float>(iq4xs_scale(j, b));
+      const uint8_t* q = b + 8 + 16 * j;
+      for (int l = 0; l < 16; ++l) {
+        w[32 * j + l] = dl * static_cast<float>(kIq4Values[q[l] & 15]);
+        w[32 * j + l + 16] = dl * static_cast<float>(kIq4Values[q[l] >> 4]);
       }
     }
   }

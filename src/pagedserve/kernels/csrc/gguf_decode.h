@@ -1,6 +1,7 @@
-// Hand-vectorized decode GEMM (a few rows of x) over raw Q4_0 / Q4_1 / Q8_0 blocks, for the avx512 / amx
-// variants (16 float lanes) and avx2 (AVX2 + FMA + F16C, 8 lanes); the baseline build defines nothing here
-// and gguf_gemm.cpp keeps its portable loop.
+// Hand-vectorized decode GEMM (a few rows of x) over raw GGUF blocks of every type gguf_blocks.h lists, for
+// the avx512 / amx variants (16 float lanes) and avx2 (AVX2 + FMA + F16C, 8 lanes); the baseline build
+// defines nothing here and gguf_gemm.cpp keeps its portable loop. The blocks are rebuilt in registers by
+// gguf_rebuild.h; below, Q4_0 / Q4_1 / Q8_0 on avx512 with up to 4 rows of x take their own table kernel.
 //
 // Decode reads every weight once per token, so the work per block of 32 weights must cost less than reading
 // its 18-34 bytes (about 1 ns per block per core at this machine's ~11 GB/s per thread). The portable loop
@@ -25,8 +26,9 @@
 // bf16 x is widened to float32 once per call by gguf_gemm.cpp, not per weight row.
 #pragma once
 
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
-#define PAGEDSERVE_GGUF_DECODE 1
+#include "gguf_rebuild.h"  // defines PAGEDSERVE_GGUF_DECODE where it builds
+
+#if defined(PAGEDSERVE_GGUF_DECODE)
 
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -35,33 +37,11 @@
 #include <algorithm>
 #include <cstdint>
 
-#include "gguf_blocks.h"
-
 namespace pagedserve::gguf::decode {
 
-#if defined(__AVX512F__)
-using Vec = __m512;
-constexpr int kLanes = 16, kAccumulators = 16;  // of 32 zmm registers: the rest hold weights and scales
-inline Vec zero() { return _mm512_setzero_ps(); }
-inline Vec load(const float* p) { return _mm512_loadu_ps(p); }
-inline Vec fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
-inline float hsum(Vec v) { return _mm512_reduce_add_ps(v); }
-#else
-using Vec = __m256;
-constexpr int kLanes = 8, kAccumulators = 8;  // of 16 ymm registers
-inline Vec zero() { return _mm256_setzero_ps(); }
-inline Vec load(const float* p) { return _mm256_loadu_ps(p); }
-inline Vec fma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
-inline float hsum(Vec v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-#endif
-
+// Q4_0 / Q4_1 / Q8_0 on avx512 with up to 4 rows of x: the scales-gathering table kernel (rows_table)
 template <int64_t T>
-constexpr bool kFast = T == kQ4_0 || T == kQ4_1 || T == kQ8_0;
-constexpr int kVecs = 32 / kLanes;  // vectors per block
+constexpr bool kTablePath = T == kQ4_0 || T == kQ4_1 || T == kQ8_0;
 
 struct Args {
   const float* x;  // [m, k] float32, rows at x_stride
@@ -159,70 +139,24 @@ inline void rows_table(const Args& a, const uint8_t* row, const float* x, Vec (&
 }
 #endif
 
-// Block b's 32 weights as float32, w[v] = weights kLanes * v .. + kLanes - 1.
-template <int64_t T>
-inline void unpack(const uint8_t* b, Vec* w) {
-  // d (and Q4_1's m): the block's first 4 bytes as two fp16 (Q4_0 / Q8_0 read two quant bytes as the
-  // second, unused).
-  const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(u32(b))));
-#if defined(__AVX512F__)
-  const Vec d = _mm512_broadcastss_ps(dm);
-  if constexpr (T == kQ8_0) {
-    const __m128i* q = reinterpret_cast<const __m128i*>(b + 2);
-    w[0] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q))));
-    w[1] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1))));
-  } else {
-    // byte j holds q[j] (low nibble) and q[j + 16] (high nibble)
-    const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (T == kQ4_1 ? 4 : 2))));
-    __m512i lo = _mm512_and_si512(q, _mm512_set1_epi32(15)), hi = _mm512_srli_epi32(q, 4);
-    if constexpr (T == kQ4_1) {
-      const Vec m = _mm512_broadcastss_ps(_mm_movehdup_ps(dm));
-      w[0] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(lo), m);
-      w[1] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(hi), m);
-    } else {
-      const __m512i eight = _mm512_set1_epi32(8);
-      w[0] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(lo, eight)));
-      w[1] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(hi, eight)));
-    }
-  }
-#else
-  const Vec d = _mm256_broadcastss_ps(dm);
-  if constexpr (T == kQ8_0) {
-    for (int v = 0; v < 4; ++v) {
-      const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + 8 * v));
-      w[v] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)));
-    }
-  } else {
-    const uint8_t* qs = b + (T == kQ4_1 ? 4 : 2);
-    const __m256i q0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs)));
-    const __m256i q1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs + 8)));
-    const __m256i fifteen = _mm256_set1_epi32(15);
-    __m256i q[4] = {_mm256_and_si256(q0, fifteen), _mm256_and_si256(q1, fifteen), _mm256_srli_epi32(q0, 4),
-                    _mm256_srli_epi32(q1, 4)};
-    if constexpr (T == kQ4_1) {
-      const Vec m = _mm256_broadcastss_ps(_mm_movehdup_ps(dm));
-      for (int v = 0; v < 4; ++v) w[v] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(q[v]), m);
-    } else {
-      for (int v = 0; v < 4; ++v)
-        w[v] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(q[v], _mm256_set1_epi32(8))));
-    }
-  }
-#endif
-}
-
-// acc[i][r] += weight row i (of R back to back from `row`) . x row r, over all k / 32 blocks: each block
-// rebuilt as float vectors, then multiplied into the MR rows of x (avx2; avx512 for more than 4 rows of x).
+// acc[i][r] += weight row i (of R back to back from `row`) . x row r, over all blocks: each sub-block of 32
+// rebuilt as float vectors (gguf_rebuild.h), then multiplied into the MR rows of x.
 template <int64_t T, int R, int MR>
 inline void rows_unpacked(const Args& a, const uint8_t* row, const float* x, Vec (&acc)[R][MR]) {
-  constexpr int64_t B = Format<T>::kBytes;
+  constexpr int64_t E = Format<T>::kElems, B = Format<T>::kBytes;
   const int64_t distance = ahead<R, MR>(a);
-  for (int64_t b = 0; b < a.k / 32; ++b) {
+  for (int64_t b = 0; b < a.k / E; ++b) {
     prefetch(row + distance + b * R * B, R * B);
     for (int i = 0; i < R; ++i) {
-      Vec w[kVecs];
-      unpack<T>(row + i * a.row_bytes + b * B, w);
-      for (int r = 0; r < MR; ++r)
-        for (int v = 0; v < kVecs; ++v) acc[i][r] = fma(w[v], load(x + r * a.x_stride + 32 * b + kLanes * v), acc[i][r]);
+      const Rebuild<T> blk(row + i * a.row_bytes + b * B);
+#pragma GCC unroll 8
+      for (int j = 0; j < E / 32; ++j) {
+        Vec w[kVecs];
+        blk.sub(j, w);
+        const float* xj = x + E * b + 32 * j;
+        for (int r = 0; r < MR; ++r)
+          for (int v = 0; v < kVecs; ++v) acc[i][r] = fma(w[v], load(xj + r * a.x_stride + kLanes * v), acc[i][r]);
+      }
     }
   }
 }
@@ -246,7 +180,7 @@ void tile(const Args& a, int64_t n0, int64_t m0) {
 #if defined(__AVX512F__)
   // up to 4 rows of x; with more, the table path measured 1.1-1.5x slower than the per-block rebuild (its
   // scale arrays and chunk counters push the x row offsets out of the general registers)
-  if constexpr (MR <= 4) {
+  if constexpr (MR <= 4 && kTablePath<T>) {
     rows_table<T, R, MR>(a, row, x, acc);
     return store<R, MR, Out>(a, n0, m0, acc);
   }

@@ -3,10 +3,10 @@
 //   gemm_gguf(x [M, K] f32 or bf16, w [N, row_bytes] u8, type, bias?) -> y [M, N] = x W^T (+ bias), x's dtype
 //   dequant_gguf(w [N, row_bytes] u8, type) -> W [N, K] f32
 //
-// gemm_gguf is the decode path (a few rows of x): bound by reading the weights. Q4_0 / Q4_1 / Q8_0 take the
-// hand-vectorized kernel of gguf_decode.h in the avx2 / avx512 / amx builds; the other types, and every type
-// in the baseline build, rebuild each weight block once into a small float buffer and multiply it into up
-// to 8 rows of x while it sits in L1. bf16 x is widened to float32 once per call into a plain buffer (not a
+// gemm_gguf is the decode path (a few rows of x): bound by reading the weights. Every type takes the
+// hand-vectorized kernel of gguf_decode.h in the avx2 / avx512 / amx builds; the baseline build rebuilds
+// each weight block once into a small float buffer and multiplies it into up to 8 rows of x while it sits
+// in L1. bf16 x is widened to float32 once per call into a plain buffer (not a
 // tensor conversion: ~3 us less per call; the sums are float32 either way) and y is rounded to bf16 once.
 // Larger batches are compute-bound; the caller dequantizes tiles of W with dequant_gguf into a scratch
 // buffer and hands them to torch's GEMM (pagedserve/model/layers/gguf_quant.py).
@@ -96,15 +96,14 @@ void gguf_dequant_typed(const uint8_t* w, int64_t row_bytes, int64_t n, int64_t 
     case kQ4_K: FN<kQ4_K>(__VA_ARGS__); break;                            \
     case kQ5_K: FN<kQ5_K>(__VA_ARGS__); break;                            \
     case kQ6_K: FN<kQ6_K>(__VA_ARGS__); break;                            \
+    case kIQ4_XS: FN<kIQ4_XS>(__VA_ARGS__); break;                        \
     default: TORCH_CHECK(false, "unsupported GGUF type ", type);           \
   }
 
 #if defined(PAGEDSERVE_GGUF_DECODE)
 template <int64_t T>
 void decode_typed(const decode::Args& a, int64_t m, bool bf16_out) {
-  if constexpr (decode::kFast<T>) {
-    bf16_out ? decode::gemm<T, c10::BFloat16>(a, m) : decode::gemm<T, float>(a, m);
-  }
+  bf16_out ? decode::gemm<T, c10::BFloat16>(a, m) : decode::gemm<T, float>(a, m);
 }
 #endif
 
@@ -142,17 +141,16 @@ at::Tensor gemm_gguf(const at::Tensor& x, const at::Tensor& w, int64_t type, con
     xp = xw, x_stride = k;
   }
 #if defined(PAGEDSERVE_GGUF_DECODE)
-  if (type == kQ4_0 || type == kQ4_1 || type == kQ8_0) {
-    const decode::Args a{xp, x_stride, k, w.data_ptr<uint8_t>(), n, w.size(1), bp, y.data_ptr()};
-    PAGEDSERVE_GGUF_DISPATCH(type, decode_typed, a, m, bf16)
-    return y;
-  }
-#endif
+  const decode::Args a{xp, x_stride, k, w.data_ptr<uint8_t>(), n, w.size(1), bp, y.data_ptr()};
+  PAGEDSERVE_GGUF_DISPATCH(type, decode_typed, a, m, bf16)
+  return y;
+#else
   at::Tensor y32 = bf16 ? at::empty({m, n}, x.options().dtype(at::kFloat)) : y;
   GgufArgs a{xp, x_stride, k, w.data_ptr<uint8_t>(), w.size(1), bp, y32.data_ptr<float>(), n};
   PAGEDSERVE_GGUF_DISPATCH(type, gguf_gemm_typed, a, m, n)
   if (bf16) y.copy_(y32);
   return y;
+#endif
 }
 
 at::Tensor dequant_gguf(const at::Tensor& w, int64_t type) {

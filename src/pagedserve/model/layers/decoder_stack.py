@@ -5,11 +5,12 @@ At decode batch sizes each layer is ~10 op calls of a few microseconds each, and
 model ~6 ms of a ~17 ms one-stream decode step on the Xeon of benchmarks/README.md. The compiled loop calls
 the same ops in the same order, so its output is bit-identical to the modules' (tests/model/test_decoder_stack.py).
 
-It serves the common case and leaves everything else to the modules: every linear holds GGUF blocks of one
-type in their inputs' natural order (the default for GGUF files) that gemm_gguf or gemm_gguf_amx multiplies at
-this batch size, every layer attends through the compiled CPU kernel (no sliding window, no reference
-fallback), no tensor parallelism, activations of a dtype the layer kernels take. `build` checks what is
-fixed per model, `__call__` what depends on the step, and returns None to send the step through the modules.
+It serves the common case and leaves everything else to the modules: every linear holds GGUF blocks in their
+inputs' natural order (the default for GGUF files; a fused weight may have parts of several types, as a Q4_K_M
+qkv_proj does) that gemm_gguf or gemm_gguf_amx multiplies at this batch size, every layer attends through the
+compiled CPU kernel (no sliding window, no reference fallback), no tensor parallelism, activations of a dtype
+the layer kernels take. `build` checks what is fixed per model, `__call__` what depends on the step, and
+returns None to send the step through the modules.
 """
 from __future__ import annotations
 
@@ -27,8 +28,11 @@ class DecoderStack:
     def __init__(self, layers, rotary_emb) -> None:
         linears = [m for layer in layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                    layer.mlp.gate_up_proj, layer.mlp.down_proj)]
-        self.weights = [m.exact_blocks[1].parts[0] for m in linears]
-        self.qtypes = [m.exact_blocks[1].qtypes[0] for m in linears]
+        blocks = [m.exact_blocks[1] for m in linears]
+        self.weights = [p for w in blocks for p in w.parts]  # every linear's row segments, in order
+        self.qtypes = [t for w in blocks for t in w.qtypes]
+        self.parts = [len(w.parts) for w in blocks]
+        self.linear_qtypes = [w.qtypes for w in blocks]
         self.biases = [m.bias for m in linears]
         self.norms = [n.weight for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
         self.eps = layers[0].input_layernorm.eps
@@ -37,7 +41,7 @@ class DecoderStack:
         self.scale = attn.scale
         self.rotary_emb = rotary_emb
         self.dtype = self.norms[0].dtype
-        self.qtype_set = set(self.qtypes)
+        self.qtype_set = set(self.linear_qtypes)
 
     @classmethod
     def build(cls, model) -> DecoderStack | None:
@@ -57,7 +61,7 @@ class DecoderStack:
                     return None
             for m in (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
                 blocks = m.exact_blocks
-                if (type(m) is not Linear or blocks is None or blocks[0] != "gguf" or len(blocks[1].parts) != 1
+                if (type(m) is not Linear or blocks is None or blocks[0] != "gguf"
                         or blocks[1].in_order is not None):  # the compiled loop does not reorder x
                     return None
         return cls(layers, layers[0].self_attn.rotary_emb)
@@ -74,12 +78,12 @@ class DecoderStack:
             return None
         return ops.decoder_layers(x, positions, kv_caches, meta.slot_mapping, meta.block_tables, meta.seq_lens,
                                   meta.query_start_loc, self.scale, self.rotary_emb._table(), self.norms,
-                                  self.weights, self.qtypes, self.biases, amx, self.heads, self.eps)
+                                  self.weights, self.qtypes, self.parts, self.biases, amx, self.heads, self.eps)
 
     def _amx_flags(self, ops, dtype: torch.dtype, m: int) -> list[int] | None:
         # Per weight: 1 for gemm_gguf_amx, 0 for gemm_gguf, as gguf_linear would pick for m rows; None when
         # some weight would go through dequantized tiles instead.
-        paths = {t: gguf_path(ops, dtype, m, (t,), QUANT_MAX_TOKENS) for t in self.qtype_set}
+        paths = {q: gguf_path(ops, dtype, m, q, QUANT_MAX_TOKENS) for q in self.qtype_set}
         if "tiles" in paths.values():
             return None
-        return [int(paths[t] == "amx") for t in self.qtypes]
+        return [int(paths[q] == "amx") for q in self.linear_qtypes]

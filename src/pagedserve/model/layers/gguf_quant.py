@@ -1,4 +1,4 @@
-"""Weights held as the raw blocks of their GGUF file (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K).
+"""Weights held as the raw blocks of their GGUF file (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS).
 
 The loader copies each quantized tensor's bytes out of the file as they are ([rows, row_bytes] uint8, the
 blocks of a row running along the input dim) and never builds its float32 form; the kernels rebuild
@@ -12,7 +12,7 @@ A weight whose blocks run along its inputs in another order (act-order GPTQ: mod
 order, and x's columns are gathered into it before the multiply.
 
 Every batch size goes through the blocks: a few rows of x through the block GEMM gemm_gguf (bound by
-reading the weights; Q4_0 / Q4_1 / Q8_0 run a hand-vectorized kernel, csrc/gguf_decode.h, in every build but
+reading the weights; every type runs a hand-vectorized kernel, csrc/gguf_decode.h, in every build but
 baseline), many rows as tiles of at most TILE_BYTES of float32 weights dequantized into a scratch buffer and
 multiplied by torch's GEMM (bound by arithmetic), so no whole float32 weight ever exists.
 
@@ -32,16 +32,16 @@ from pagedserve import kernels
 
 # GGML type id -> (name, weights per block, bytes per block): the types the kernels rebuild.
 GGUF_BLOCK_TYPES = {2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24),
-                    8: ("Q8_0", 32, 34), 12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210)}
+                    8: ("Q8_0", 32, 34), 12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210),
+                    23: ("IQ4_XS", 256, 136)}
 # Float32 weights one dequantized tile may hold: small next to the model, big enough that torch's GEMM
 # runs at full speed (whole layers of a small model are one tile; the LM head is cut into a few).
 TILE_BYTES = 8 << 20
 # The types gemm_gguf_amx multiplies (at any number of rows above the decode kernel's).
 AMX_TYPES = (3, 8)
-# The types gemm_gguf's vectorized decode kernel takes, and the rows of x up to which it beats, for bf16 x,
-# gemm_gguf_amx and, for float32 x, dequantized float32 tiles + torch's GEMM (measured on the embedded
-# model's shapes, weights cold: benchmarks/README.md, "Decode block GEMM", benchmarks/gguf_gemv.py).
-DECODE_TYPES = (2, 3, 8)
+# The rows of x up to which gemm_gguf's vectorized decode kernel (every type, every build but baseline) beats,
+# for bf16 x, gemm_gguf_amx and, for float32 x, dequantized float32 tiles + torch's GEMM (measured on the
+# embedded model's shapes, weights cold: benchmarks/README.md, "Decode block GEMM", benchmarks/gguf_gemv.py).
 DECODE_MAX_ROWS_AMX = 4
 DECODE_MAX_ROWS = 64
 
@@ -136,9 +136,9 @@ def _has_decode_kernel(ops) -> bool:
 def gguf_path(ops, dtype: torch.dtype, m: int, qtypes: tuple[int, ...], max_gemv_rows: int) -> str:
     # Which kernel multiplies m rows of x (of `dtype`) by a weight of `qtypes`: "gemv" (gemm_gguf), "amx"
     # (gemm_gguf_amx) or "tiles" (dequantized tiles through torch's GEMM). max_gemv_rows: gemm_gguf's row
-    # limit for the types without a vectorized decode kernel.
+    # limit in the baseline build (its portable loop).
     amx_takes = dtype == torch.bfloat16 and _amx_gemm(ops) is not None and all(t in AMX_TYPES for t in qtypes)
-    if _has_decode_kernel(ops) and all(t in DECODE_TYPES for t in qtypes):
+    if _has_decode_kernel(ops):
         max_gemv_rows = DECODE_MAX_ROWS_AMX if amx_takes else DECODE_MAX_ROWS
     if m <= max_gemv_rows:
         return "gemv"
