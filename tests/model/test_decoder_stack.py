@@ -14,8 +14,7 @@ from pagedserve.attention.backend import get_attention_backend
 from pagedserve.model.gguf_file import open_gguf_file
 from pagedserve.model.gguf_weights import load_gguf_blocks
 from pagedserve.model.layers.decoder_stack import DecoderStack
-from pagedserve.model.layers.gguf_quant import gguf_path
-from pagedserve.model.layers.linear import QUANT_MAX_TOKENS
+from pagedserve.model.layers.gguf_quant import kernel_choice
 from pagedserve.model.llama import LlamaForCausalLM
 from pagedserve.worker.kv_cache import allocate_kv_caches
 from tests.model.test_gguf_blocks import KV_HEADS, LAYER_TYPES, VOCAB, tiny_config, write_gguf
@@ -73,7 +72,7 @@ def test_stack_equals_modules(tmp_path, types, dtype) -> None:
     # Batches that gguf_linear sends through dequantized tiles run the modules: above 64 rows, or above 8 in
     # the baseline build (never for bf16 Q4_1 on AMX).
     ops = kernels.load()
-    tiles = [any(gguf_path(ops, dtype, sum(q for _, q in seqs), (int(t),), QUANT_MAX_TOKENS) == "tiles"
+    tiles = [any(kernel_choice(ops, dtype, (int(t),)).path(sum(q for _, q in seqs)) == "tiles"
                  for t in set(qtypes.values())) for seqs in BATCHES]
     assert used == [not t for t in tiles]
     if kernels.selected_isa() != "baseline":

@@ -70,16 +70,16 @@ def test_block_kernels_match_gguf_dequantize(isa_name: str, qtype, monkeypatch) 
     raw = random_blocks(qtype, rows, cols, rng)
     ref = reference(raw, qtype)
     w = as_weight(raw, qtype, cols)
-    x = torch.randn(21, cols, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(70, cols, generator=torch.Generator().manual_seed(0))
     bias = torch.randn(rows, generator=torch.Generator().manual_seed(1))
     monkeypatch.setattr(gguf_quant, "TILE_BYTES", 16 * cols * 4)  # the batched path cuts 40 rows into 3 tiles
     with kernels.use_isa(isa_name) as ops:
         assert torch.equal(ops.dequant_gguf(w.parts[0], int(qtype)), ref)  # bit for bit
         ids = torch.tensor([[3, 0], [39, 3]])
         assert torch.equal(gguf_embedding(w, ids), ref[ids])
-        for m in (1, 2, 3, 5, 8, 21):  # block GEMM passes of 8/4/2/1 rows, then dequantized tiles
+        for m in (1, 2, 3, 5, 8, 21, 70):  # block GEMM passes of 8/4/2/1 rows; dequantized tiles above 64 (8 in baseline)
             want = torch.nn.functional.linear(x[:m], ref, bias)
-            torch.testing.assert_close(gguf_linear(x[:m], w, bias, max_gemv_rows=8), want, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(gguf_linear(x[:m], w, bias), want, rtol=1e-5, atol=1e-5)
 
 
 def test_scale_fields_cover_every_type() -> None:
@@ -191,19 +191,19 @@ def test_amx_kernel_many_rows_through_torch_gemm(qtype, rows: int, cols: int) ->
 @pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q8_0, T.Q6_K], ids=lambda t: t.name)
 def test_bf16_activations_through_blocks(isa_name: str, qtype) -> None:
     # --dtype bfloat16: bf16 in, bf16 out, at every batch size (the AMX kernel where it runs, else float32
-    # block GEMMs on widened x, and bf16 tiles above max_gemv_rows); the embedding returns bf16 rows.
+    # block GEMMs on widened x, and bf16 tiles above the decode kernel's rows); the embedding returns bf16 rows.
     rng = np.random.default_rng(int(qtype))
     rows, cols = 40, 512
     raw = random_blocks(qtype, rows, cols, rng)
     ref, w = reference(raw, qtype), as_weight(raw, qtype, cols)
-    x = torch.randn(21, cols, generator=torch.Generator().manual_seed(0)).bfloat16()
+    x = torch.randn(70, cols, generator=torch.Generator().manual_seed(0)).bfloat16()
     bias = torch.randn(rows, generator=torch.Generator().manual_seed(1)).bfloat16()
     with kernels.use_isa(isa_name):
         ids = torch.tensor([[3, 0], [39, 3]])
         emb = gguf_embedding(w, ids, torch.bfloat16)
         assert emb.dtype == torch.bfloat16 and torch.equal(emb, ref[ids].bfloat16())
-        for m in (1, 5, 21):
-            y = gguf_linear(x[:m], w, bias, max_gemv_rows=8)
+        for m in (1, 5, 21, 70):
+            y = gguf_linear(x[:m], w, bias)
             want = x[:m].float() @ ref.T + bias.float()
             assert y.dtype == torch.bfloat16
             # bf16 weights (AMX, tiles) and bf16 outputs: a few bf16 steps of outputs of size ~3
@@ -220,11 +220,11 @@ def test_mixed_type_rows_and_bad_input(isa_name: str) -> None:
     assert fused.qtypes == (int(T.Q4_K), int(T.Q6_K), int(T.IQ4_XS))
     assert [p.shape[0] for p in fused.parts] == [96, 32, 8]
     ref = torch.cat([reference(r, t) for r, (t, _) in zip(raws, parts)])
-    x = torch.randn(12, 256, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(70, 256, generator=torch.Generator().manual_seed(0))
     bias = torch.randn(136, generator=torch.Generator().manual_seed(1))
     with kernels.use_isa(isa_name):
-        for m in (1, 5, 12):  # block GEMM, then dequantized tiles
-            torch.testing.assert_close(gguf_linear(x[:m], fused, bias, max_gemv_rows=8), x[:m] @ ref.T + bias,
+        for m in (1, 5, 12, 70):  # block GEMM, then dequantized tiles (above 8 rows in baseline, 64 elsewhere)
+            torch.testing.assert_close(gguf_linear(x[:m], fused, bias), x[:m] @ ref.T + bias,
                                        rtol=1e-5, atol=1e-5)
     ops = kernels.load()
     with pytest.raises(RuntimeError, match="gemm_gguf: x has 128 features, the weight's rows hold 256"):

@@ -277,7 +277,7 @@ def test_act_order_parts_share_one_input_order() -> None:
     assert (held - torch.cat([p.dequantize() for p in parts])).abs().max() <= 0.01 / 128
     x = torch.randn(70, 256, generator=gen)
     for m in (1, 5, 70):  # the block GEMM and dequantized tiles, both after the gather of x
-        torch.testing.assert_close(gguf_linear(x[:m], w, None, 8), x[:m] @ held.T, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(gguf_linear(x[:m], w, None), x[:m] @ held.T, atol=1e-5, rtol=1e-5)
     assert int4_blocks([part(order), part(torch.randperm(256, generator=gen))]) is None
 
 

@@ -19,8 +19,8 @@ import torch
 from pagedserve import kernels
 from pagedserve.attention.cpu_paged import CpuPagedAttentionBackend, kernel_supports
 from pagedserve.attention.metadata import AttentionMetadata
-from pagedserve.model.layers.gguf_quant import gguf_path
-from pagedserve.model.layers.linear import QUANT_MAX_TOKENS, Linear
+from pagedserve.model.layers.gguf_quant import kernel_choice
+from pagedserve.model.layers.linear import Linear
 from pagedserve.model.layers.norm import RMSNorm
 
 
@@ -81,9 +81,9 @@ class DecoderStack:
                                   self.weights, self.qtypes, self.parts, self.biases, amx, self.heads, self.eps)
 
     def _amx_flags(self, ops, dtype: torch.dtype, m: int) -> list[int] | None:
-        # Per weight: 1 for gemm_gguf_amx, 0 for gemm_gguf, as gguf_linear would pick for m rows; None when
-        # some weight would go through dequantized tiles instead.
-        paths = {q: gguf_path(ops, dtype, m, q, QUANT_MAX_TOKENS) for q in self.qtype_set}
+        # Per weight: 1 for gemm_gguf_amx, 0 for gemm_gguf, as gguf_linear picks for m rows (the same
+        # kernel_choice); None when some weight would go through dequantized tiles instead.
+        paths = {q: kernel_choice(ops, dtype, q).path(m) for q in self.qtype_set}
         if "tiles" in paths.values():
             return None
         return [int(paths[q] == "amx") for q in self.linear_qtypes]

@@ -44,6 +44,8 @@ AMX_TYPES = (3, 8)
 # embedded model's shapes, weights cold: benchmarks/README.md, "Decode block GEMM", benchmarks/gguf_gemv.py).
 DECODE_MAX_ROWS_AMX = 4
 DECODE_MAX_ROWS = 64
+# The baseline build's portable loop (no vectorized decode kernel) wins up to this many rows of x.
+PORTABLE_MAX_ROWS = 8
 
 
 @dataclass(slots=True)
@@ -133,23 +135,32 @@ def _has_decode_kernel(ops) -> bool:
     return ops.compiled_isa() != "baseline"
 
 
-def gguf_path(ops, dtype: torch.dtype, m: int, qtypes: tuple[int, ...], max_gemv_rows: int) -> str:
-    # Which kernel multiplies m rows of x (of `dtype`) by a weight of `qtypes`: "gemv" (gemm_gguf), "amx"
-    # (gemm_gguf_amx) or "tiles" (dequantized tiles through torch's GEMM). max_gemv_rows: gemm_gguf's row
-    # limit in the baseline build (its portable loop).
-    amx_takes = dtype == torch.bfloat16 and _amx_gemm(ops) is not None and all(t in AMX_TYPES for t in qtypes)
-    if _has_decode_kernel(ops):
-        max_gemv_rows = DECODE_MAX_ROWS_AMX if amx_takes else DECODE_MAX_ROWS
-    if m <= max_gemv_rows:
-        return "gemv"
-    return "amx" if amx_takes else "tiles"
+@dataclass(frozen=True, slots=True)
+class KernelChoice:
+    # How one weight's matmuls run in this process, decided once per (block types, activation dtype, kernel
+    # variant): up to gemv_max_rows rows of x through gemm_gguf, more through gemm_gguf_amx where `amx`, else
+    # through dequantized tiles and torch's GEMM.
+    gemv_max_rows: int
+    amx: bool
+
+    def path(self, m: int) -> str:
+        # "gemv", "amx" or "tiles" for m rows of x
+        return "gemv" if m <= self.gemv_max_rows else "amx" if self.amx else "tiles"
 
 
-def gguf_linear(x: torch.Tensor, w: GGUFWeight, bias: torch.Tensor | None, max_gemv_rows: int) -> torch.Tensor:
+@functools.cache
+def kernel_choice(ops, dtype: torch.dtype, qtypes: tuple[int, ...]) -> KernelChoice:
+    amx = dtype == torch.bfloat16 and _amx_gemm(ops) is not None and all(t in AMX_TYPES for t in qtypes)
+    if not _has_decode_kernel(ops):
+        return KernelChoice(PORTABLE_MAX_ROWS, amx)
+    return KernelChoice(DECODE_MAX_ROWS_AMX if amx else DECODE_MAX_ROWS, amx)
+
+
+def gguf_linear(x: torch.Tensor, w: GGUFWeight, bias: torch.Tensor | None) -> torch.Tensor:
     # y = x W^T (+ bias) for float32 or bfloat16 x [M, in_features], any M; y has x's dtype.
     ops, m = _ops(), x.shape[0]
     x = x.contiguous() if w.in_order is None else x.index_select(1, w.in_order)
-    path = gguf_path(ops, x.dtype, m, w.qtypes, max_gemv_rows)
+    path = kernel_choice(ops, x.dtype, w.qtypes).path(m)
     if path == "gemv":
         return _by_parts(w, bias, lambda p, t, b: ops.gemm_gguf(x, p, t, b))
     if path == "amx":

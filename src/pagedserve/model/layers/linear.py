@@ -70,9 +70,6 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | 
 
 # Activation dtypes GGUF block weights take (layers/gguf_quant.py).
 GGUF_DTYPES = (torch.float32, torch.bfloat16)
-# Rows of x up to which a block type without a vectorized decode kernel still goes through gemm_gguf's
-# portable loop; above it, dequantized tiles through torch's GEMM.
-QUANT_MAX_TOKENS = 8
 
 
 def quant_linear(x: torch.Tensor, blocks, bias: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -80,7 +77,7 @@ def quant_linear(x: torch.Tensor, blocks, bias: torch.Tensor | None = None) -> t
     # (no blocks, another device or dtype, no compiled kernels): then the caller's dense path runs.
     if blocks is None or x.dim() != 2 or kernels.ops_for(x, GGUF_DTYPES) is None:
         return None
-    return gguf_linear(x, blocks[1], bias, QUANT_MAX_TOKENS)
+    return gguf_linear(x, blocks[1], bias)
 
 
 class Linear(nn.Linear):
