@@ -39,6 +39,8 @@ def json_object(value: object, what: str) -> dict:
             value = json.loads(value)
         except json.JSONDecodeError as exc:
             raise ValueError(f"{what} is not valid JSON: {exc}") from None
+        except RecursionError:  # the parser recurses per level: thousands of nested brackets
+            raise ValueError(f"{what} is nested too deeply to parse") from None
     if not isinstance(value, dict):
         raise ValueError(f"{what} must be a JSON object, got {type(value).__name__}")
     return value

@@ -59,6 +59,7 @@ class OpenAIServingChat:
 
     async def create(self, req: ChatCompletionRequest, raw_request: Request) -> Response:
         self.ctx.check_model(req.model)
+        self.ctx.limits.check_samples(req.n)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         num_top = req.top_logprobs or 0
         if req.tool_mode == "auto" and self.ctx.tool_call_parser is None:
@@ -71,8 +72,10 @@ class OpenAIServingChat:
         messages = [m.to_template_dict() for m in req.messages]
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         request_id = random_id("chatcmpl")
-        stream = await self.ctx.engine.add_request(
-            request_id, chat_prompt(messages, req.add_generation_prompt, req.cache_salt, tools), params)
+        engine = self.ctx.engine
+        prompt = await engine.run_processor(chat_prompt(messages, req.add_generation_prompt, req.cache_salt, tools))
+        self.ctx.limits.check_tokens([len(prompt["prompt_token_ids"])], max_tokens, req.n, engine.max_model_len)
+        stream = await engine.add_request(request_id, prompt, params)
         created = int(time.time())
         if req.stream:
             return SSEResponse(self._stream(req, stream, request_id, created), on_close=stream.close)
