@@ -16,7 +16,7 @@ from typing import Any
 from pagedserve.config import ModelConfig, StructuredOutputsConfig
 from pagedserve.engine.core import EngineCoreRequest
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.structured_output.backend import GrammarCompileService
+from pagedserve.structured_output.backend import GrammarCompileService, check_first_token
 
 # The tool-calling chat template shipped for the embedded SmolLM2 (its own template has no tools).
 EMBEDDED_CHAT_TEMPLATE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "chat_templates",
@@ -40,6 +40,7 @@ class ProcessedRequest:
     grammar_future: concurrent.futures.Future | None = None
 
     def with_grammar(self, grammar: Any) -> ProcessedRequest:
+        check_first_token(grammar, self.params)
         reqs = [dataclasses.replace(r, grammar=grammar) for r in self.core_requests]
         return dataclasses.replace(self, core_requests=reqs, grammar_future=None)
 
