@@ -58,8 +58,8 @@ class OpenAIServingChat:
         self.ctx = ctx
 
     async def create(self, req: ChatCompletionRequest, raw_request: Request) -> Response:
-        self.ctx.check_model(req.model)
         self.ctx.limits.check_samples(req.n)
+        self.ctx.check_model(req.model)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         num_top = req.top_logprobs or 0
         if req.tool_mode == "auto" and self.ctx.tool_call_parser is None:

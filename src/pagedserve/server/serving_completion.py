@@ -85,12 +85,12 @@ class OpenAIServingCompletion:
         self.ctx = ctx
 
     async def create(self, req: CompletionRequest, raw_request: Request) -> Response:
-        self.ctx.check_model(req.model)
         limits = self.ctx.limits
         num_samples = req.best_of or req.n
         limits.check_samples(req.n, req.best_of)
         prompts = req.prompts()
         limits.check_sequences(len(prompts), num_samples)
+        self.ctx.check_model(req.model)
         params = req.to_sampling_params(req.max_tokens, req.logprobs, req.best_of, req.num_prompt_logprobs)
         params.output_kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
         request_id = random_id("cmpl")
