@@ -230,6 +230,8 @@ def _nested(depth: int) -> dict:
     ({"structured_outputs": {"regex": "[^\\s\\S]"}}, "matches no text"),
     ({"structured_outputs": {"choice": ["yes", "no"]}, "min_tokens": 4}, "min_tokens"),
     ({"structured_outputs": {"choice": ["yes", "no"]}, "allowed_token_ids": [28]}, "allowed_token_ids"),
+    # ... or none from some point on: four digits, then only the end, which min_tokens forbids.
+    ({"structured_outputs": {"regex": "20[0-9][0-9]"}, "min_tokens": 12, "max_tokens": 16}, "no token satisfies both"),
     ({"guided_regex": "a", "structured_outputs": {"regex": "b"}}, "not both"),
 ])
 def test_bad_input_is_a_400(tool_server, body, message):
@@ -248,6 +250,13 @@ def test_the_connection_serves_on_after_400s(tool_server):
                            ("/v1/completions", {"prompt": [-1], "echo": True})):
             resp = http.post(path, content=json.dumps({"messages": ASK, "max_tokens": 2, **body}).encode())
             assert resp.status_code == 400, resp.text
+        # A constraint that runs dry mid-stream ends the stream with the request's error, not a server error.
+        dry = {"messages": ASK, "max_tokens": 16, "stream": True, "min_tokens": 12,
+               "structured_outputs": {"regex": "20[0-9][0-9]"}}
+        with http.stream("POST", "/v1/chat/completions", content=json.dumps(dry).encode()) as resp:
+            events = [line for line in resp.iter_lines() if line]
+        assert events[-1] == "data: [DONE]" and "no token satisfies both" in events[-2], events[-3:]
+        assert json.loads(events[-2].removeprefix("data: "))["error"]["type"] == "invalid_request_error"
         ok = http.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 2})
         assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"]
 

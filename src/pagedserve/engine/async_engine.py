@@ -29,7 +29,8 @@ from pagedserve.core.scheduler_output import SchedulerStats
 from pagedserve.engine.output_processor import OutputProcessor, ProcessedOutputs
 from pagedserve.malloc import release_free_memory
 from pagedserve.metrics.stats import SpecDecodingStats
-from pagedserve.engine.output_stream import EngineClosedError, EngineDeadError, EngineError, OutputStream
+from pagedserve.engine.output_stream import (EngineClosedError, EngineDeadError, EngineError, OutputStream,
+                                            RequestConstraintError)
 from pagedserve.engine.processor import Processor, PromptInput
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams
 
@@ -280,7 +281,8 @@ class AsyncLLMEngine:
         for rid, message in processed.failures.items():
             stream = self._streams.pop(rid, None)
             if stream is not None:
-                stream.fail(rid, EngineError(f"request {rid} failed: {message}"))
+                error = RequestConstraintError if message.startswith(RequestConstraintError.PREFIX) else EngineError
+                stream.fail(rid, error(f"request {rid} failed: {message}"))
         self._finish_in_core(processed.stopped_core_ids, RequestStatus.FINISHED_STOPPED)
         self._finish_in_core(processed.aborted_core_ids, RequestStatus.FINISHED_ABORTED)
 

@@ -7,7 +7,7 @@ from typing import Any, AsyncIterator
 from fastapi import Request
 from fastapi.responses import Response
 
-from pagedserve.engine.async_engine import EngineClosedError, OutputStream
+from pagedserve.engine.async_engine import OutputStream
 from pagedserve.outputs import Logprob, RequestOutput
 from pagedserve.sampling_params import RequestOutputKind
 from pagedserve.server.context import ServerContext, random_id, usage_of
@@ -133,10 +133,8 @@ class OpenAIServingChat:
                                                                        completion_tokens=num_completion_tokens,
                                                                        total_tokens=num_prompt_tokens
                                                                        + num_completion_tokens)))
-        except EngineClosedError as exc:
-            yield OpenAIError(str(exc), 503).sse_payload()
         except Exception as exc:  # noqa: BLE001 (the response has started; report in-band)
-            yield OpenAIError(str(exc), 500).sse_payload()
+            yield OpenAIError.in_band(exc).sse_payload()
         finally:
             stream.close()
         yield SSE_DONE

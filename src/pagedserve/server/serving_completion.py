@@ -8,7 +8,7 @@ from typing import Any, AsyncIterator
 from fastapi import Request
 from fastapi.responses import Response
 
-from pagedserve.engine.async_engine import EngineClosedError, OutputStream
+from pagedserve.engine.async_engine import OutputStream
 from pagedserve.outputs import Logprob, RequestOutput
 from pagedserve.sampling_params import RequestOutputKind
 from pagedserve.server.context import ServerContext, random_id, usage_of
@@ -188,10 +188,8 @@ class OpenAIServingCompletion:
                                   total_tokens=prompt_total + num_completion_tokens)
                 yield sse(CompletionStreamResponse(id=request_id, created=created, model=model, choices=[],
                                                    usage=usage))
-        except EngineClosedError as exc:
-            yield OpenAIError(str(exc), 503).sse_payload()
         except Exception as exc:  # noqa: BLE001 (the response has started; report in-band)
-            yield OpenAIError(str(exc), 500).sse_payload()
+            yield OpenAIError.in_band(exc).sse_payload()
         finally:
             stream.close()
         yield SSE_DONE
