@@ -67,6 +67,27 @@ def test_health_follows_the_step_heartbeat(fake):
     assert_openai_error(stopped, 503)
 
 
+def test_health_follows_the_tokenizer_thread(fake):
+    # Every request is tokenized on one thread: a job stuck there stalls everyone as a stuck step does.
+    _, async_engine = fake
+    app = build_app(async_engine, SimpleNamespace(health_max_stall_s=0.1))
+    gate = threading.Event()
+
+    async def main():
+        transport = httpx.ASGITransport(app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=10) as client:
+            stuck_job = asyncio.ensure_future(async_engine.run_processor(lambda proc: gate.wait(10)))
+            await asyncio.sleep(0.3)
+            stuck = await client.get("/health")
+            gate.set()
+            await stuck_job
+            return stuck, await client.get("/health")
+
+    stuck, after = asyncio.run(asyncio.wait_for(main(), 10))
+    assert "tokenizer" in assert_openai_error(stuck, 503)["message"]
+    assert after.status_code == 200
+
+
 def test_unhandled_error_is_an_openai_500(fake):
     _, async_engine = fake
     [resp] = call(async_engine, [("POST", "/v1/completions", {"json": {"prompt": "crash", "max_tokens": 2}})])

@@ -134,8 +134,8 @@ def build_app(engine: AsyncLLMEngine, args: Any) -> FastAPI:
     async def health() -> Response:
         if engine.is_healthy(max_stall_s):
             return Response(status_code=200)
-        return OpenAIError(f"the engine is stopped or has been stuck in one step for over {max_stall_s:g}s",
-                           503).response()
+        return OpenAIError(f"the engine is stopped, or its engine or tokenizer thread has been stuck in one step "
+                           f"for over {max_stall_s:g}s", 503).response()
 
     @app.get("/version")
     async def version() -> Response:
