@@ -8,7 +8,7 @@ import pytest
 
 from pagedserve.config import StructuredOutputsConfig
 from pagedserve.sampling_params import StructuredOutputsParams
-from pagedserve.structured_output.backend import NUM_COMPILE_THREADS, GrammarCompileService
+from pagedserve.structured_output.backend import NUM_COMPILE_THREADS, GrammarCompileService, grammar_spec
 from tests.server.fake_engine import VOCAB, word_tokenizer
 
 
@@ -70,4 +70,26 @@ def test_a_queued_compile_is_dropped_when_its_request_times_out():
         svc.wait(fut)
     again = svc.compile(choices(50))  # the spec is compiled afresh when sent again
     assert again is not queued and svc.wait(again) is not None
+    svc.shutdown()
+
+
+def test_a_compile_past_its_timeout_frees_its_slot():
+    svc = service(compile_timeout_s=0.3)
+    gate, compile_now = threading.Event(), svc._compile
+    slow = {grammar_spec(choices(num)) for num in range(1, NUM_COMPILE_THREADS + 1)}
+
+    def held(spec):  # the slow compiles run until the gate opens, far past the timeout
+        if spec in slow:
+            gate.wait(30)
+        return compile_now(spec)
+
+    svc._compile = held
+    busy = [svc.compile(choices(num)) for num in range(1, NUM_COMPILE_THREADS + 1)]
+    for fut in busy:
+        with pytest.raises(ValueError, match="did not compile within"):
+            svc.wait(fut)
+    assert all(fut.running() for fut in busy)
+    assert svc.wait(svc.compile(choices(50))) is not None  # compiled while the slow ones still run
+    gate.set()
+    assert all(fut.result(30) is not None for fut in busy)  # their results still reach the cache
     svc.shutdown()

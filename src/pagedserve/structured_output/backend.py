@@ -7,8 +7,8 @@
 
 Compiles wait in one queue for NUM_COMPILE_THREADS grammar threads (a burst of 1,000 schemas makes no more
 threads). A compile still queued when its request times out is dropped. xgrammar cannot cancel a running
-compile: one that runs past the timeout fails its request at once but finishes (or not) on its grammar thread.
-Its future stays cached, so the same spec sent again waits on that compile instead of starting another one.
+compile: one that runs past the timeout fails its request at once and gives its slot to a new thread (up to
+MAX_OVERRUNNING_COMPILES such), but finishes (or not) on its own thread. Its future stays cached, so the same spec sent again waits on that compile instead of starting another one.
 The cache holds at most cache_size grammars and cache_memory_bytes of their memory, least recently used out.
 """
 from __future__ import annotations
@@ -27,6 +27,9 @@ from pagedserve.sampling_params import SamplingParams, StructuredOutputsParams
 from pagedserve.structured_output.schema import check_schema, load_schema
 
 NUM_COMPILE_THREADS = 2
+# A compile past its timeout cannot be stopped, but it gives up its slot: a new thread takes the queue while it
+# runs on, up to this many such overrunning compiles at once (beyond that they keep their slots).
+MAX_OVERRUNNING_COMPILES = 4
 # xgrammar prefixes its errors with a timestamp and a C++ source location; the user needs only the message.
 _CPP_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 
@@ -70,7 +73,8 @@ class GrammarCompileService:
         # runaway compile would hold up the server's shutdown.
         self._queue: collections.deque[tuple[GrammarSpec, concurrent.futures.Future]] = collections.deque()
         self._queued = threading.Condition(self._lock)
-        self._num_threads = 0
+        self._num_threads = 0  # threads taking compiles from the queue: at most NUM_COMPILE_THREADS
+        self._overrunning: set[concurrent.futures.Future] = set()  # past the timeout, their threads given up
         self._closed = False
 
     @property
@@ -90,9 +94,7 @@ class GrammarCompileService:
                 fut.cancel()
                 return fut
             self._queue.append((spec, fut))
-            if self._num_threads < NUM_COMPILE_THREADS:
-                self._num_threads += 1
-                threading.Thread(target=self._run, name="pagedserve-grammar", daemon=True).start()
+            self._start_thread()
             self._queued.notify()
             if self.config.cache_size:
                 self._cache[spec] = fut
@@ -118,13 +120,24 @@ class GrammarCompileService:
                 raise  # the waiter itself was cancelled
             raise ValueError(self._timeout_message()) from None
 
+    def _start_thread(self) -> None:  # under _lock
+        if self._num_threads < NUM_COMPILE_THREADS:
+            self._num_threads += 1
+            threading.Thread(target=self._run, name="pagedserve-grammar", daemon=True).start()
+
     def _timed_out(self, fut: concurrent.futures.Future) -> str:
         # A compile that has not started yet is dropped, and forgotten so that the spec may be sent again.
+        # A running one frees its slot for the queue (see MAX_OVERRUNNING_COMPILES).
         with self._lock:
             if fut.cancel():
                 for spec, cached in list(self._cache.items()):
                     if cached is fut:
                         del self._cache[spec]
+            elif fut.running() and fut not in self._overrunning and len(self._overrunning) < MAX_OVERRUNNING_COMPILES:
+                self._overrunning.add(fut)
+                self._num_threads -= 1
+                if self._queue:
+                    self._start_thread()
         return self._timeout_message()
 
     def _evict(self) -> None:  # under _lock
@@ -167,13 +180,19 @@ class GrammarCompileService:
                 grammar = self._compile(spec)
                 num_bytes = int(grammar.memory_size_bytes)  # xgrammar's estimate, a property
             except BaseException as exc:  # noqa: BLE001 (delivered to every waiter)
-                fut.set_exception(exc)
-                continue
+                grammar, num_bytes = exc, 0
             with self._lock:
-                if self._cache.get(spec) is fut:
+                if self._cache.get(spec) is fut and not isinstance(grammar, BaseException):
                     self._cached_bytes[spec] = num_bytes
                     self._evict()
-            fut.set_result(grammar)
+                overran = fut in self._overrunning
+                self._overrunning.discard(fut)
+            if isinstance(grammar, BaseException):
+                fut.set_exception(grammar)
+            else:
+                fut.set_result(grammar)
+            if overran:
+                return  # its slot went to another thread when it passed the timeout
 
     def _compile(self, spec: GrammarSpec) -> Any:
         compiler = self._get_compiler()
