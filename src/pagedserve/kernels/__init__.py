@@ -92,12 +92,23 @@ def _load_uncached() -> tuple[str | None, object]:
             ops = _load_variant(variant)
         except Exception as e:  # no compiler / ninja / headers / -m flag: the next variant, else torch
             logger.warning("pagedserve CPU kernels: the %s variant is unavailable: %s", variant.name, e)
+            if _cache_unwritable(e):
+                break  # every other variant's build would fail the same way, each after minutes
             continue
         how = "forced by PAGEDSERVE_CPU_ISA" if requested != isa.AUTO else "the best this CPU runs"
         logger.info("pagedserve CPU kernels: %s variant (%s)", variant.name, how)
         return variant.name, ops
     logger.warning("pagedserve CPU kernels unavailable, using the pure-torch paths")
     return None, None
+
+
+def _cache_unwritable(error: Exception) -> bool:
+    # A full disk or a read-only cache, as an OSError or in the build's output (ninja reports it as text).
+    import errno
+
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EROFS, errno.EDQUOT, errno.EACCES):
+        return True
+    return any(m in str(error) for m in ("No space left on device", "Read-only file system", "Disk quota exceeded"))
 
 
 def _load_variant(variant: isa.Variant):
