@@ -39,6 +39,8 @@ def json_object(value: object, what: str) -> dict:
             value = json.loads(value)
         except json.JSONDecodeError as exc:
             raise ValueError(f"{what} is not valid JSON: {exc}") from None
+        except RecursionError:  # the parser recurses per level: thousands of nested brackets
+            raise ValueError(f"{what} is nested too deeply to parse") from None
     if not isinstance(value, dict):
         raise ValueError(f"{what} must be a JSON object, got {type(value).__name__}")
     return value
@@ -236,12 +238,15 @@ class StructuredOutputsConfig:
     # engine thread, so until then the request only waits, and nobody else does.
     compile_timeout_s: float = 10.0
     cache_size: int = 256  # compiled grammars kept, keyed by their spec
+    # ... and at most this much of their memory (xgrammar's own estimate): one 20,000-value enum keeps ~100 MB.
+    cache_memory_bytes: int = 512 << 20
 
     def __post_init__(self) -> None:
         if not self.compile_timeout_s > 0:
             raise ValueError(f"structured outputs compile timeout must be positive, got {self.compile_timeout_s}")
-        if self.cache_size < 0:
-            raise ValueError(f"structured outputs cache size must be >= 0, got {self.cache_size}")
+        if self.cache_size < 0 or self.cache_memory_bytes < 0:
+            raise ValueError(f"structured outputs cache size and memory must be >= 0, got {self.cache_size} and "
+                             f"{self.cache_memory_bytes}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -55,6 +55,24 @@ def test_edited_config_resolves_again(tmp_cache) -> None:
     assert read_config(str(model_dir)).rms_norm_eps == 1e-5
 
 
+def test_garbage_cache_entry_is_resolved_again(tmp_cache, monkeypatch: pytest.MonkeyPatch) -> None:
+    model_dir = tmp_cache / "m"
+    CONFIGS["llama"]().save_pretrained(model_dir)
+    # What transformers resolves is not in question here (test_plain_config_equals_transformers): each resolve
+    # answers its config.json as it is, and is counted.
+    calls = []
+    monkeypatch.setattr(hf_config_module, "_resolve_with_transformers",
+                        lambda path: calls.append(path) or json.loads((model_dir / "config.json").read_text()))
+    first = read_config(str(model_dir))
+    [cached] = (tmp_cache / "cache" / "configs").glob("*.json")
+    resolved = json.loads(cached.read_text())
+    for garbage in (b"{not json", b"\xff\xfe", b"[1, 2]"):
+        cached.write_bytes(garbage)
+        assert read_config(str(model_dir)) == first
+        assert json.loads(cached.read_text()) == resolved  # written again
+    assert len(calls) == 4
+
+
 def test_bad_config_raises_value_error(tmp_cache) -> None:
     (tmp_cache / "bad").mkdir()
     (tmp_cache / "bad" / "config.json").write_text("{not json")

@@ -37,6 +37,8 @@ def post(server, path: str, **kw) -> httpx.Response:
     ({"prompt": []}, None),
     ({"prompt": ["a", 1]}, "prompt"),
     ({"prompt": [-5]}, None),                                    # token id outside the vocabulary
+    ({"prompt": [-1], "echo": True}, None),                      # ... checked before echo decodes it
+    ({"prompt": [[5], [10 ** 30]], "echo": True}, None),
     ({"max_tokens": 3}, "prompt"),                               # missing prompt
     ({"prompt": "hi", "stream_options": {"include_usage": True}}, None),  # stream_options without stream
 ])

@@ -67,6 +67,27 @@ def test_health_follows_the_step_heartbeat(fake):
     assert_openai_error(stopped, 503)
 
 
+def test_health_follows_the_tokenizer_thread(fake):
+    # Every request is tokenized on one thread: a job stuck there stalls everyone as a stuck step does.
+    _, async_engine = fake
+    app = build_app(async_engine, SimpleNamespace(health_max_stall_s=0.1))
+    gate = threading.Event()
+
+    async def main():
+        transport = httpx.ASGITransport(app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=10) as client:
+            stuck_job = asyncio.ensure_future(async_engine.run_processor(lambda proc: gate.wait(10)))
+            await asyncio.sleep(0.3)
+            stuck = await client.get("/health")
+            gate.set()
+            await stuck_job
+            return stuck, await client.get("/health")
+
+    stuck, after = asyncio.run(asyncio.wait_for(main(), 10))
+    assert "tokenizer" in assert_openai_error(stuck, 503)["message"]
+    assert after.status_code == 200
+
+
 def test_unhandled_error_is_an_openai_500(fake):
     _, async_engine = fake
     [resp] = call(async_engine, [("POST", "/v1/completions", {"json": {"prompt": "crash", "max_tokens": 2}})])
@@ -145,3 +166,52 @@ def test_sample_cap(fake):
         ("POST", "/v1/chat/completions", {"json": {"messages": [{"role": "user", "content": "hi"}], "n": 5}}),
     ], max_samples_per_request=4)
     assert [assert_openai_error(r, 400)["param"] for r in resps] == ["n", "best_of", "n"]
+
+
+def test_sequence_and_token_caps(fake):
+    _, async_engine = fake
+    chat = [{"role": "user", "content": "t1"}]
+    resps = call(async_engine, [
+        ("POST", "/v1/completions", {"json": {"prompt": ["t1"] * 5, "n": 2, "max_tokens": 2}}),
+        ("POST", "/v1/completions", {"json": {"prompt": [[1], [2], [3]], "n": 1, "best_of": 3, "max_tokens": 2}}),
+        ("POST", "/v1/completions", {"json": {"prompt": ["t1 t2"] * 3, "max_tokens": 40}}),
+        ("POST", "/v1/completions", {"json": {"prompt": [[1, 2]] * 2, "n": 2, "max_tokens": 40}}),
+        ("POST", "/v1/chat/completions", {"json": {"messages": chat, "max_tokens": 200}}),
+        ("POST", "/v1/completions", {"json": {"prompt": ["t1 t2"] * 2, "n": 2, "max_tokens": 20}}),
+    ], max_sequences_per_request=8, max_tokens_per_request=100)
+    for resp in resps[:2]:
+        assert "--max-sequences-per-request" in assert_openai_error(resp, 400)["message"]
+    for resp in resps[2:5]:
+        assert "--max-tokens-per-request" in assert_openai_error(resp, 400)["message"]
+    assert len(resps[5].json()["choices"]) == 4  # 2 x (2 + 2 x 20) = 84 tokens, 4 sequences: within both
+
+
+def test_default_caps_refuse_a_small_body_that_would_queue_64000_sequences(fake):
+    engine, async_engine = fake
+    [resp] = call(async_engine, [("POST", "/v1/completions", {"json": {"prompt": ["t1"] * 1000, "n": 64}})])
+    assert "--max-sequences-per-request" in assert_openai_error(resp, 400)["message"]
+    assert not engine.requests and not engine.batches  # nothing reached the engine
+    # Without max_tokens a prompt may take the rest of the context: 64 samples of one prompt fit the default
+    # token cap (max_samples x max_model_len), two such prompts do not.
+    [resp] = call(async_engine, [("POST", "/v1/completions", {"json": {"prompt": [[1] * 10] * 2, "n": 64,
+                                                                       "max_tokens": None}})],
+                  max_sequences_per_request=128)
+    assert "--max-tokens-per-request" in assert_openai_error(resp, 400)["message"]
+
+
+def test_huge_chats_are_refused_before_tokenizing(fake):
+    engine, async_engine = fake
+    limit_chars = engine.max_model_len * 5  # the longest word of the fake vocabulary, "[UNK]", has 5
+    part = "t1 " * (limit_chars // 3 // 2)  # each part alone is within the bound, three together are not
+    messages = [{"role": "user", "content": part}, {"role": "assistant", "content": part},
+                {"role": "user", "content": part}]
+    tool = {"type": "function", "function": {"name": "f", "description": part * 3, "parameters": {}}}
+    hi = [{"role": "user", "content": "t1"}]
+    resps = call(async_engine, [
+        ("POST", "/v1/chat/completions", {"json": {"messages": messages, "max_tokens": 2}}),
+        ("POST", "/v1/chat/completions", {"json": {"messages": hi, "tools": [tool], "tool_choice": "none",
+                                                   "max_tokens": 2}}),
+        ("POST", "/tokenize", {"json": {"messages": messages}}),
+    ])
+    for resp in resps:
+        assert "characters" in assert_openai_error(resp, 400)["message"]

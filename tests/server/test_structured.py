@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import re
 import time
 
 import httpx
@@ -185,6 +186,24 @@ def test_response_format_and_structured_outputs(oai, model):
     assert len(text) == 10 and text.startswith("2026-0")
 
 
+def _tool_with(**function: object) -> dict:
+    return {"type": "function", "function": {**WEATHER["function"], **function}}
+
+
+def _called(**function: str) -> list[dict]:
+    call = {"name": "get_weather", "arguments": '{"city": "Rome"}', **function}
+    return ASK + [{"role": "assistant", "content": None,
+                   "tool_calls": [{"id": "call_1", "type": "function", "function": call}]},
+                  {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+
+
+def _nested(depth: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
 @pytest.mark.parametrize("body, message", [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}},
      "invalid JSON schema"),
@@ -195,12 +214,70 @@ def test_response_format_and_structured_outputs(oai, model):
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "exactly one"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "not in tools"),
     ({"tool_choice": "required"}, "tool_choice needs tools"),
+    # A lone surrogate anywhere in a tool or an earlier tool call (the tokenizer cannot encode it).
+    ({"tools": [_tool_with(description="a\ud800")]}, "surrogate"),
+    ({"tools": [_tool_with(parameters={"type": "object", "properties": {"\ud800": {"type": "string"}}})]},
+     "surrogate"),
+    ({"tools": [_tool_with(parameters={"type": "object", "properties": {"p": {"enum": ["\ud800"]}}})]},
+     "surrogate"),
+    ({"messages": _called(name="get_\ud800")}, "surrogate"),
+    ({"messages": _called(arguments='{"a": "\ud800"}')}, "surrogate"),
+    # Schemas nested past any real use: a JSON string 5,000 deep, an object 150 deep.
+    ({"structured_outputs": {"json": '{"items":' * 5000 + "{}" + "}" * 5000}}, "nested too deeply"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": _nested(150)}}},
+     "nested more than 100"),
+    # Constraints that no token could satisfy.
+    ({"structured_outputs": {"regex": "[^\\s\\S]"}}, "matches no text"),
+    ({"structured_outputs": {"choice": ["yes", "no"]}, "min_tokens": 4}, "min_tokens"),
+    ({"structured_outputs": {"choice": ["yes", "no"]}, "allowed_token_ids": [28]}, "allowed_token_ids"),
+    # ... or none from some point on: four digits, then only the end, which min_tokens forbids.
+    ({"structured_outputs": {"regex": "20[0-9][0-9]"}, "min_tokens": 12, "max_tokens": 16}, "no token satisfies both"),
+    ({"guided_regex": "a", "structured_outputs": {"regex": "b"}}, "not both"),
 ])
 def test_bad_input_is_a_400(tool_server, body, message):
-    r = httpx.post(f"{tool_server.url}/v1/chat/completions", json={"messages": ASK, "max_tokens": 4, **body},
-                   timeout=60)
+    # json.dumps writes a lone surrogate as \ud800, as a careless client would; httpx's encoder refuses it.
+    r = httpx.post(f"{tool_server.url}/v1/chat/completions", timeout=60, headers={"Content-Type": "application/json"},
+                   content=json.dumps({"messages": ASK, "max_tokens": 4, **body}).encode())
     assert r.status_code == 400, r.text
     assert message in r.json()["error"]["message"]
+
+
+def test_the_connection_serves_on_after_400s(tool_server):
+    # These were 500s, after which the client's next request on the same connection was reset.
+    with httpx.Client(base_url=tool_server.url, timeout=60, headers={"Content-Type": "application/json"}) as http:
+        for path, body in (("/v1/chat/completions", {"structured_outputs": {"regex": "[^\\s\\S]"}}),
+                           ("/v1/chat/completions", {"tools": [_tool_with(description="\ud800")]}),
+                           ("/v1/completions", {"prompt": [-1], "echo": True})):
+            resp = http.post(path, content=json.dumps({"messages": ASK, "max_tokens": 2, **body}).encode())
+            assert resp.status_code == 400, resp.text
+        # A constraint that runs dry mid-stream ends the stream with the request's error, not a server error.
+        dry = {"messages": ASK, "max_tokens": 16, "stream": True, "min_tokens": 12,
+               "structured_outputs": {"regex": "20[0-9][0-9]"}}
+        with http.stream("POST", "/v1/chat/completions", content=json.dumps(dry).encode()) as resp:
+            events = [line for line in resp.iter_lines() if line]
+        assert events[-1] == "data: [DONE]" and "no token satisfies both" in events[-2], events[-3:]
+        assert json.loads(events[-2].removeprefix("data: "))["error"]["type"] == "invalid_request_error"
+        ok = http.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 2})
+        assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"]
+
+
+def test_legacy_guided_fields(oai, model):
+    # vLLM's older names, as older clients still send them, constrain the output as structured_outputs does.
+    choice = oai.completions.create(model=model, prompt="Pick:", max_tokens=5, n=3, temperature=1.0, seed=4,
+                                    extra_body={"guided_choice": ["hour", "day"]})
+    assert {c.text for c in choice.choices} <= {"hour", "day"}
+    regex = oai.chat.completions.create(model=model, messages=ASK, max_tokens=12, temperature=1.0, seed=5,
+                                        extra_body={"guided_regex": "2026-0[1-9]-[0-2][0-9]",
+                                                    "guided_decoding_backend": "xgrammar"})
+    assert re.fullmatch("2026-0[1-9]-[0-2][0-9]", regex.choices[0].message.content)
+    schema = SCHEMAS["get_weather"]
+    as_json = oai.chat.completions.create(model=model, messages=ASK, max_tokens=MAX_TOKENS, temperature=1.0, seed=6,
+                                          extra_body={"guided_json": json.dumps(schema)})
+    assert as_json.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(as_json.choices[0].message.content), schema)
+    grammar = oai.completions.create(model=model, prompt="Say:", max_tokens=8, temperature=1.0, seed=7,
+                                     extra_body={"guided_grammar": 'root ::= "ab" | "cd"'})
+    assert grammar.choices[0].text in ("ab", "cd")
 
 
 def test_required_call_array_streams_pieces_that_join_to_the_whole():

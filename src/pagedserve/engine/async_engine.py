@@ -29,7 +29,8 @@ from pagedserve.core.scheduler_output import SchedulerStats
 from pagedserve.engine.output_processor import OutputProcessor, ProcessedOutputs
 from pagedserve.malloc import release_free_memory
 from pagedserve.metrics.stats import SpecDecodingStats
-from pagedserve.engine.output_stream import EngineClosedError, EngineDeadError, EngineError, OutputStream
+from pagedserve.engine.output_stream import (EngineClosedError, EngineDeadError, EngineError, OutputStream,
+                                            RequestConstraintError)
 from pagedserve.engine.processor import Processor, PromptInput
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams
 
@@ -89,6 +90,7 @@ class AsyncLLMEngine:
         self._lock = threading.Lock()  # orders _closed against command submission
         self._closed = False
         self._busy_since: float | None = None  # set while the engine thread is inside a step or command
+        self._tokenizing_since: float | None = None  # set while the tokenizer thread runs a job
         self._admitting = 0  # requests in add_requests that have not reached the engine yet (under _lock)
         self._last_step_s = 0.0
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -145,9 +147,11 @@ class AsyncLLMEngine:
         return self._thread.is_alive() and not self._closed
 
     def is_healthy(self, max_stall_s: float) -> bool:
-        # Alive, and not stuck: no step or command has been running for longer than max_stall_s.
-        busy = self._busy_since
-        return self.is_running and (busy is None or time.monotonic() - busy <= max_stall_s)
+        # Alive, and not stuck: no step or command, and no tokenizer job (every request passes through the
+        # one tokenizer thread), has been running for longer than max_stall_s.
+        now = time.monotonic()
+        return self.is_running and all(since is None or now - since <= max_stall_s
+                                       for since in (self._busy_since, self._tokenizing_since))
 
     def shutdown(self, timeout: float | None = 10.0) -> None:
         with self._lock:
@@ -180,7 +184,14 @@ class AsyncLLMEngine:
 
     async def run_processor(self, fn: Callable[[Processor], T]) -> T:
         """Run fn(processor) on the tokenizer thread: tokenize, render templates, decode."""
-        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, fn, self.processor)
+        def job(processor: Processor) -> T:
+            self._tokenizing_since = time.monotonic()
+            try:
+                return fn(processor)
+            finally:
+                self._tokenizing_since = None
+
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, job, self.processor)
 
     # ---- event loop ---------------------------------------------------------------------------------------
 
@@ -280,7 +291,8 @@ class AsyncLLMEngine:
         for rid, message in processed.failures.items():
             stream = self._streams.pop(rid, None)
             if stream is not None:
-                stream.fail(rid, EngineError(f"request {rid} failed: {message}"))
+                error = RequestConstraintError if message.startswith(RequestConstraintError.PREFIX) else EngineError
+                stream.fail(rid, error(f"request {rid} failed: {message}"))
         self._finish_in_core(processed.stopped_core_ids, RequestStatus.FINISHED_STOPPED)
         self._finish_in_core(processed.aborted_core_ids, RequestStatus.FINISHED_ABORTED)
 

@@ -28,7 +28,7 @@ from pagedserve.core.scheduler_output import (ModelRunnerOutput, PromptLogprobsC
                                               SpecDecodeOutput)
 from pagedserve.distributed.executor import DistributedRunner
 from pagedserve.distributed.parallel_state import rank_device, threads_per_rank
-from pagedserve.engine.output_stream import EngineDeadError
+from pagedserve.engine.output_stream import EngineDeadError, RequestConstraintError
 from pagedserve.metrics.stats import EngineStats, RequestStats
 from pagedserve import kv_dtypes
 from pagedserve.attention.kv_quant import storage_dtype
@@ -354,7 +354,10 @@ class EngineCore:
             token = req.output_token_ids[-1]
             terminated_before = self.structured_output.is_terminated(req.req_id)
             if not terminated_before and not self.structured_output.accept_token(req.req_id, token):
-                message = f"the grammar rejected sampled token {token}"
+                # The mask left no token (min_tokens forbids the end the grammar requires, allowed_token_ids
+                # excludes what it needs, ...), so the sampler drew from nothing.
+                message = (f"{RequestConstraintError.PREFIX} (min_tokens, allowed_token_ids, logit_bias) after "
+                           f"{len(req.output_token_ids) - 1} output tokens")
                 self.finish_requests([req.req_id])
                 outputs.append(EngineCoreOutput(req.req_id, [], "error", error=message,
                                                 stats=RequestStats.from_request(req)))

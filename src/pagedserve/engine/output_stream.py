@@ -17,6 +17,14 @@ class EngineError(RuntimeError):
     """A request failed inside the engine; the engine itself keeps serving."""
 
 
+class RequestConstraintError(ValueError):
+    """A request's own parameters left nothing to sample (e.g. a grammar that must end, and min_tokens that
+    forbids ending): its fault, not the engine's, so the server answers 400."""
+
+    # How the engine core begins such a failure's message; the front end raises this class for it.
+    PREFIX = "no token satisfies both the structured output constraint and the other sampling parameters"
+
+
 class EngineClosedError(RuntimeError):
     """The engine was shut down."""
 

@@ -16,7 +16,7 @@ from typing import Any
 from pagedserve.config import ModelConfig, StructuredOutputsConfig
 from pagedserve.engine.core import EngineCoreRequest
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.structured_output.backend import GrammarCompileService
+from pagedserve.structured_output.backend import GrammarCompileService, check_first_token
 
 # The tool-calling chat template shipped for the embedded SmolLM2 (its own template has no tools).
 EMBEDDED_CHAT_TEMPLATE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "chat_templates",
@@ -40,6 +40,7 @@ class ProcessedRequest:
     grammar_future: concurrent.futures.Future | None = None
 
     def with_grammar(self, grammar: Any) -> ProcessedRequest:
+        check_first_token(grammar, self.params)
         reqs = [dataclasses.replace(r, grammar=grammar) for r in self.core_requests]
         return dataclasses.replace(self, core_requests=reqs, grammar_future=None)
 
@@ -94,9 +95,12 @@ class Processor:
         self._check_num_tokens(len(ids))
         return text, ids
 
-    def check_text_length(self, text: str) -> None:
-        if len(text) > self.max_model_len * self.max_chars_per_token:
-            raise ValueError(f"the prompt has {len(text)} characters, more than {self.max_model_len} tokens "
+    def check_text_length(self, text: str, what: str = "the prompt") -> None:
+        self._check_num_chars(len(text), what)
+
+    def _check_num_chars(self, num_chars: int, what: str) -> None:
+        if num_chars > self.max_model_len * self.max_chars_per_token:
+            raise ValueError(f"{what} has {num_chars} characters, more than {self.max_model_len} tokens "
                              f"(max_model_len) can hold")
 
     def _check_num_tokens(self, num_tokens: int) -> None:
@@ -162,8 +166,9 @@ class Processor:
         for m in messages:
             if not isinstance(m, dict) or "role" not in m:
                 raise ValueError(f"each message needs a 'role', got {m!r}")
-            if isinstance(m.get("content"), str):
-                self.check_text_length(m["content"])
+        # All their text (contents, tool calls, tool definitions) is rendered into the prompt: too much of it
+        # is refused before the template renders it and the tokenizer thread spends seconds on it.
+        self._check_num_chars(_num_text_chars([messages, kwargs.get("tools")]), "the chat (messages and tools)")
         template = _read_template(chat_template) or self.chat_template
         if template is None:
             raise ValueError("this model has no chat template; pass chat_template=")
@@ -179,7 +184,23 @@ class Processor:
                     add_generation_prompt: bool = True, **kwargs: Any) -> dict[str, Any]:
         # The template already holds any special tokens; encoding must not add a second BOS.
         text = self.apply_chat_template(messages, chat_template, add_generation_prompt, **kwargs)
+        self.check_text_length(text)
         return {"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)}
+
+
+def _num_text_chars(value: Any) -> int:
+    # Characters in all strings (keys too) of nested dicts and lists; iterative, whatever the nesting.
+    num_chars, stack = 0, [value]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, str):
+            num_chars += len(node)
+        elif isinstance(node, dict):
+            stack.extend(node.keys())
+            stack.extend(node.values())
+        elif isinstance(node, (list, tuple)):
+            stack.extend(node)
+    return num_chars
 
 
 def _child_params(params: SamplingParams, index: int) -> SamplingParams:

@@ -92,6 +92,8 @@ def _load_uncached() -> tuple[str | None, object]:
             ops = _load_variant(variant)
         except Exception as e:  # no compiler / ninja / headers / -m flag: the next variant, else torch
             logger.warning("pagedserve CPU kernels: the %s variant is unavailable: %s", variant.name, e)
+            if _cache_unwritable(e):
+                break  # every other variant's build would fail the same way, each after minutes
             continue
         how = "forced by PAGEDSERVE_CPU_ISA" if requested != isa.AUTO else "the best this CPU runs"
         logger.info("pagedserve CPU kernels: %s variant (%s)", variant.name, how)
@@ -100,17 +102,27 @@ def _load_uncached() -> tuple[str | None, object]:
     return None, None
 
 
+def _cache_unwritable(error: Exception) -> bool:
+    # A full disk or a read-only cache, as an OSError or in the build's output (ninja reports it as text).
+    import errno
+
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EROFS, errno.EDQUOT, errno.EACCES):
+        return True
+    return any(m in str(error) for m in ("No space left on device", "Read-only file system", "Disk quota exceeded"))
+
+
 def _load_variant(variant: isa.Variant):
     if variant.name in _variant_ops:
         return _variant_ops[variant.name]
     name, build_dir = f"pagedserve_cpu_ops_{variant.name}", _build_dir(variant)
-    if not _load_built(os.path.join(build_dir, f"{name}.so")):
-        from torch.utils.cpp_extension import load as cpp_load
+    library = os.path.join(build_dir, f"{name}.so")
+    with _build_dir_lock(build_dir):
+        if not _load_built(library):
+            from torch.utils.cpp_extension import load as cpp_load
 
-        os.makedirs(build_dir, exist_ok=True)
-        _remove_stale_lock(os.path.join(build_dir, "lock"))
-        cpp_load(name=name, sources=_SOURCES, build_directory=build_dir, extra_cflags=_cflags(variant),
-                 extra_ldflags=_LDFLAGS, is_python_module=False, verbose=False)
+            cpp_load(name=name, sources=_SOURCES, build_directory=build_dir, extra_cflags=_cflags(variant),
+                     extra_ldflags=_LDFLAGS, is_python_module=False, verbose=False)
+            _record_hash(library)
     ops = getattr(torch.ops, variant.namespace)
     ops.paged_attention, ops.rms_norm  # noqa: B018  (raises if registration failed)
     if ops.compiled_isa() != variant.name:
@@ -122,8 +134,8 @@ def _load_variant(variant: isa.Variant):
 def _load_built(library: str) -> bool:
     # The build directory's key covers everything the library depends on (_build_dir), so a finished build
     # there is this one: loaded directly, without cpp_extension (setuptools and a ninja run: ~3 MB resident
-    # and ~80 ms per start). Not while a build holds the lock, and not a library that fails to load.
-    if not os.path.isfile(library) or os.path.exists(os.path.join(os.path.dirname(library), "lock")):
+    # and ~80 ms per start). Not a library whose bytes changed since its build, nor one that fails to load.
+    if not os.path.isfile(library) or not _verified(library):
         return False
     try:
         torch.ops.load_library(library)
@@ -131,6 +143,66 @@ def _load_built(library: str) -> bool:
         logger.warning("pagedserve CPU kernels: %s does not load (%s); building it again", library, e)
         return False
     return True
+
+
+def _library_hash(library: str) -> str:
+    with open(library, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _record_hash(library: str) -> None:
+    with open(f"{library}.sha256", "w") as f:
+        f.write(_library_hash(library))
+
+
+def _verified(library: str) -> bool:
+    # Loading a truncated library ends the process with SIGBUS, an overwritten one with SIGTRAP, and neither
+    # leaves a log line; so a library is loaded only when its bytes hash as they did right after its build.
+    try:
+        with open(f"{library}.sha256") as f:
+            recorded = f.read().strip()
+    except FileNotFoundError:
+        return _trusted_legacy_build(library)
+    if _library_hash(library) != recorded:
+        logger.warning("pagedserve CPU kernels: %s differs from the library that was built there (truncated or "
+                       "overwritten); building it again", library)
+        return False
+    return True
+
+
+def _trusted_legacy_build(library: str) -> bool:
+    # A build from before hashes were recorded: trusted (and its hash recorded) once it loads in a child
+    # process, where a crash ends only the child; a rebuild would cost minutes.
+    import subprocess
+
+    loads = subprocess.run([sys.executable, "-c", "import sys, torch; torch.ops.load_library(sys.argv[1])",
+                            library], capture_output=True).returncode == 0
+    if loads:
+        _record_hash(library)
+    else:
+        logger.warning("pagedserve CPU kernels: %s does not load; building it again", library)
+    return loads
+
+
+@contextlib.contextmanager
+def _build_dir_lock(build_dir: str):
+    # One process at a time loads or builds in build_dir. An flock, unlike cpp_extension's own `lock` file
+    # (which it waits on forever when its builder died), is released by the OS with the process that held
+    # it; so once this one is held, a `lock` file there is a dead build's leftover and goes.
+    import fcntl
+
+    os.makedirs(build_dir, exist_ok=True)
+    try:
+        held = open(os.path.join(build_dir, "pagedserve.lock"), "a")
+    except OSError as e:  # a read-only cache: a finished library still loads, a build fails and says why
+        logger.warning("pagedserve CPU kernels: cannot lock %s (%s)", build_dir, e)
+        yield
+        return
+    with held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(build_dir, "lock"))
+        yield
 
 
 def load_isa(name: str):
@@ -201,18 +273,6 @@ def prebuild() -> list[str]:
         except Exception as e:
             logger.warning("pagedserve CPU kernels: the %s variant did not build: %s", name, e)
     return built
-
-
-def _remove_stale_lock(path: str, max_age_s: float = 600.0) -> None:
-    # cpp_extension waits forever on the lock file of a build whose process died; a build takes well
-    # under a minute, so a lock this old is a leftover.
-    import time
-
-    try:
-        if time.time() - os.path.getmtime(path) > max_age_s:
-            os.remove(path)
-    except OSError:
-        pass
 
 
 # Activation dtypes of the fused layer ops (rms_norm, fused_add_rms_norm_, rotary_embedding_, silu_and_mul) and

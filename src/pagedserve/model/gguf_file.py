@@ -14,6 +14,7 @@ seek), and reads each tensor with readinto into memory that becomes the weight: 
 """
 from __future__ import annotations
 
+import math
 import os
 import struct
 from dataclasses import dataclass
@@ -23,6 +24,10 @@ import numpy as np
 # GGUF metadata value types: fixed sizes of the scalars; 8 = string, 9 = array.
 _SCALAR_FMT = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _STRING, _ARRAY = 8, 9
+# ggml's GGML_MAX_DIMS. Header fields are checked against this and the file's size before anything is
+# allocated from them: a tensor info claiming 2^28 dims would otherwise build a 2 GB unpack format first.
+MAX_DIMS = 4
+MAX_DIM = 1 << 40
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,50 +71,64 @@ def _parse(path: str) -> GGUFFile:
             raw = f.read(struct.calcsize("<" + fmt))
             return struct.unpack("<" + fmt, raw)  # struct.error when the file ends early
 
-        def string() -> str:
-            (n,) = unpack("Q")
-            if n > size:
-                raise ValueError(f"a string of {n} bytes in a file of {size}")
-            return f.read(n).decode("utf-8")
+        def bounded(value: int, limit: int, what: str) -> int:
+            if value > limit:
+                raise ValueError(f"{what} is {value}, more than {limit} (the file has {size} bytes)")
+            return value
 
-        def skip_value(vtype: int) -> object | None:
+        def string(what: str) -> str:
+            (n,) = unpack("Q")
+            return f.read(bounded(n, size - f.tell(), f"the length of {what}")).decode("utf-8")
+
+        def skip_value(vtype: int, key: str) -> object | None:
             if vtype in _SCALAR_FMT:
                 return unpack(_SCALAR_FMT[vtype])[0]
             if vtype == _STRING:
-                return string()
+                return string(f"metadata {key!r}")
             if vtype != _ARRAY:
-                raise ValueError(f"unknown metadata value type {vtype}")
+                raise ValueError(f"unknown value type {vtype} of metadata {key!r}")
             elem, count = unpack("IQ")
+            # Every element takes at least one byte.
+            bounded(count, size - f.tell(), f"the element count of metadata array {key!r}")
             if elem in _SCALAR_FMT:  # fixed-size elements: one seek
                 f.seek(struct.calcsize(_SCALAR_FMT[elem]) * count, os.SEEK_CUR)
             else:
                 for _ in range(count):
-                    skip_value(elem)
+                    skip_value(elem, key)
             return None
 
         magic, version = f.read(4), unpack("I")[0]
         if magic != b"GGUF" or version not in (2, 3):
             raise ValueError(f"not a GGUF v2/v3 file (magic {magic!r}, version {version})")
         num_tensors, num_kv = unpack("QQ")
+        # A metadata entry takes at least 13 bytes (key length, value type, one byte), a tensor info 24.
+        bounded(num_kv, size // 13, "the metadata count")
+        bounded(num_tensors, size // 24, "the tensor count")
         fields: dict[str, object] = {}
         for _ in range(num_kv):
-            key = string()
-            value = skip_value(unpack("I")[0])
+            key = string("a metadata key")
+            value = skip_value(unpack("I")[0], key)
             if value is not None:
                 fields[key] = value
         infos = []
         for _ in range(num_tensors):
-            name = string()
+            name = string("a tensor name")
             (n_dims,) = unpack("I")
+            if n_dims > MAX_DIMS:
+                raise ValueError(f"tensor {name!r} has n_dims {n_dims}, more than {MAX_DIMS}")
             shape = unpack("Q" * n_dims)
+            for d in shape:
+                bounded(d, MAX_DIM, f"a dimension of tensor {name!r}")
             qtype, offset = unpack("IQ")
             infos.append((name, tuple(int(d) for d in shape), int(qtype), int(offset)))
-        align = int(fields.get("general.alignment", 32))
+        align = fields.get("general.alignment", 32)
+        if not isinstance(align, int) or align < 1 or align & (align - 1):
+            raise ValueError(f"general.alignment must be a positive power of two, got {align!r}")
         data_start = -(-f.tell() // align) * align
     tensors = []
     for name, shape, qtype, offset in infos:
         block_elems, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
-        numel = int(np.prod(shape))
+        numel = math.prod(shape)  # Python ints: numpy's product could wrap around
         nbytes = numel // block_elems * block_bytes
         if data_start + offset + nbytes > size:
             raise ValueError(f"tensor {name} ends past the end of the file")

@@ -35,6 +35,17 @@ SKIPPED = ("rope_freqs.weight",)
 # Our fused linears and the HF tensors whose rows they stack, in order (model/llama.py).
 _FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
           "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+# Byte offsets of the float16 scales (d, and m / dmin) in each block of the block types (gguf-py's layouts).
+_SCALE_OFFSETS = {2: (0,), 3: (0, 2), 6: (0,), 7: (0, 2), 8: (0,), 12: (0, 2), 13: (0, 2), 14: (208,)}
+
+
+def check_finite_scales(name: str, qtype: int, rows: np.ndarray, block_bytes: int, path: str) -> None:
+    # A NaN or inf scale makes every output it touches NaN: the server would answer empty completions.
+    # float16 is inf or NaN when its five exponent bits are all set: bits 2-6 of its high (second) byte.
+    blocks = rows.reshape(rows.shape[0], -1, block_bytes)
+    for offset in _SCALE_OFFSETS[qtype]:
+        if ((blocks[:, :, offset + 1] & 0x7C) == 0x7C).any():
+            raise ValueError(f"GGUF tensor {name} in {path} has non-finite (NaN or inf) scales")
 
 
 def hf_name(gguf_name: str) -> str | None:
@@ -78,6 +89,8 @@ def dense_tensors(tensors, arch: str, hf_config, path: str):
             weight = torch.from_numpy(dequantize(data, qtype).astype("float32"))  # owned copy
         except Exception as e:  # noqa: BLE001
             raise ValueError(f"cannot dequantize {gguf_name} ({qtype.name}) in {path}: {e}") from e
+        if not torch.isfinite(weight).all():
+            raise ValueError(f"GGUF tensor {gguf_name} in {path} has non-finite (NaN or inf) values")
         heads = _qk_heads(arch, name, hf_config)
         yield name, (weight if heads is None else unpermute_qk(weight, heads)).contiguous()
 
@@ -122,6 +135,7 @@ def load_gguf_blocks(model, gguf: GGUFFile, hf_config) -> None:
         if t.qtype in GGUF_BLOCK_TYPES and name.endswith(".weight") and len(t.shape) == 2:
             if data.shape[1] != row_bytes(t.qtype, t.shape[0]):
                 raise ValueError(f"corrupt GGUF file {path}: {t.name} has rows of {data.shape[1]} bytes")
+            check_finite_scales(t.name, t.qtype, data, GGUF_BLOCK_TYPES[t.qtype][2], path)
             rows = torch.from_numpy(data)
             heads = _qk_heads(arch, name, hf_config)
             blocks[name] = GGUFWeight((t.qtype,), (rows if heads is None else unpermute_qk(rows, heads).contiguous(),),

@@ -49,18 +49,33 @@ def read_config(path: str):
         raise ValueError(f"cannot read config.json in {path}: {e}") from e
     key = hashlib.sha256(raw + b"|" + metadata.version("transformers").encode()).hexdigest()[:16]
     cached = os.path.join(envs.cache_dir(), "configs", f"{key}.json")
-    if os.path.isfile(cached):
-        with open(cached, encoding="utf-8") as f:
-            text = f.read()
-    else:
+    fields = _read_cached(cached)
+    if fields is None:
         text = json.dumps(_resolve_with_transformers(path))
         try:
             _write_atomically(cached, text)
         except OSError as e:  # a read-only cache costs the transformers import on every start, nothing else
             logger.warning("cannot cache the resolved config of %s in %s: %s", path, cached, e)
-    fields = json.loads(text)  # the same object whether it came from transformers or the cache
+        fields = json.loads(text)  # the same object whether it came from transformers or the cache
     fields["_name_or_path"] = path  # as AutoConfig sets it; not part of the cached content
     return HFConfig(**fields)
+
+
+def _read_cached(file: str) -> dict | None:
+    # None when there is no cached entry, or one that is not a JSON object (a garbage or half-written file,
+    # which is then resolved and written again).
+    try:
+        with open(file, encoding="utf-8") as f:
+            fields = json.load(f)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        logger.warning("ignoring the unreadable cached config %s (%s); resolving it again", file, e)
+        return None
+    if not isinstance(fields, dict):
+        logger.warning("ignoring the cached config %s: not a JSON object; resolving it again", file)
+        return None
+    return fields
 
 
 def as_transformers_config(hf_config):

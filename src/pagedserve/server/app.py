@@ -18,8 +18,8 @@ from pagedserve import __version__
 from pagedserve.engine.async_engine import AsyncLLMEngine, EngineClosedError, EngineError
 from pagedserve.metrics.prometheus import PrometheusMetrics
 from pagedserve.server.cli_args import (HEALTH_MAX_STALL_S, MAX_REQUEST_BODY_SIZE, MAX_SAMPLES_PER_REQUEST,
-                                        SHUTDOWN_TIMEOUT_S)
-from pagedserve.server.context import ServerContext
+                                        MAX_SEQUENCES_PER_REQUEST, SHUTDOWN_TIMEOUT_S)
+from pagedserve.server.context import RequestLimits, ServerContext
 from pagedserve.server.debug import register_debug_routes
 from pagedserve.server.errors import OpenAIError
 from pagedserve.server.middleware import APIKeyMiddleware, BodySizeLimitMiddleware, HTTPMetricsMiddleware
@@ -31,14 +31,6 @@ from pagedserve.server.serving_completion import OpenAIServingCompletion
 from pagedserve.server.streaming import ClientDisconnected, json_response
 
 logger = logging.getLogger(__name__)
-
-
-def check_num_samples(limit: int, n: int, best_of: int | None = None) -> None:
-    # Samples are created on the engine thread; an unbounded n or best_of stalls everyone else's requests.
-    for name, value in (("n", n), ("best_of", best_of)):
-        if value is not None and value > limit:
-            raise OpenAIError(f"{name} must be at most {limit} (--max-samples-per-request), got {value}", 400,
-                              param=name)
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -103,13 +95,15 @@ def build_app(engine: AsyncLLMEngine, args: Any) -> FastAPI:
     model_path = getattr(args, "model", None)
     names = list(getattr(args, "served_model_name", None) or []) or [model_path or engine.model_name]
     parser = getattr(args, "tool_call_parser", None) if getattr(args, "enable_auto_tool_choice", False) else None
-    ctx = ServerContext(engine, names, model_path, parser, getattr(args, "reasoning_parser", None))
+    limits = RequestLimits(getattr(args, "max_samples_per_request", MAX_SAMPLES_PER_REQUEST),
+                           getattr(args, "max_sequences_per_request", MAX_SEQUENCES_PER_REQUEST),
+                           getattr(args, "max_tokens_per_request", None))
+    ctx = ServerContext(engine, names, model_path, parser, getattr(args, "reasoning_parser", None), limits)
     metrics = PrometheusMetrics(engine, ctx.model_name, getattr(args, "metrics_prefix", "pagedserve"))
     app = FastAPI(title="pagedserve", version=__version__)
     app.state.ctx = ctx
     app.state.metrics = metrics
     _install_error_handlers(app)
-    max_samples = getattr(args, "max_samples_per_request", MAX_SAMPLES_PER_REQUEST)
     max_stall_s = getattr(args, "health_max_stall_s", HEALTH_MAX_STALL_S)
     # Added last is outermost: the key is checked before any body byte is read.
     app.add_middleware(BodySizeLimitMiddleware,
@@ -124,12 +118,10 @@ def build_app(engine: AsyncLLMEngine, args: Any) -> FastAPI:
 
     @app.post("/v1/completions")
     async def create_completion(req: CompletionRequest, raw_request: Request) -> Response:
-        check_num_samples(max_samples, req.n, req.best_of)
         return await completion.create(req, raw_request)
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(req: ChatCompletionRequest, raw_request: Request) -> Response:
-        check_num_samples(max_samples, req.n)
         return await chat.create(req, raw_request)
 
     @app.get("/v1/models")
@@ -142,8 +134,8 @@ def build_app(engine: AsyncLLMEngine, args: Any) -> FastAPI:
     async def health() -> Response:
         if engine.is_healthy(max_stall_s):
             return Response(status_code=200)
-        return OpenAIError(f"the engine is stopped or has been stuck in one step for over {max_stall_s:g}s",
-                           503).response()
+        return OpenAIError(f"the engine is stopped, or its engine or tokenizer thread has been stuck in one step "
+                           f"for over {max_stall_s:g}s", 503).response()
 
     @app.get("/version")
     async def version() -> Response:

@@ -14,6 +14,9 @@ REASONING_PARSERS = ("deepseek_r1", "qwen3")
 
 # Server flag defaults (build_app falls back to them for args that lack the flags).
 MAX_SAMPLES_PER_REQUEST = 64
+# Prompts x samples per request: each sequence is queued, scheduled and decoded, so a 7 KB body of 1,000
+# one-token prompts x n=64 would queue 64,000 of them ahead of everyone else.
+MAX_SEQUENCES_PER_REQUEST = 1024
 MAX_REQUEST_BODY_SIZE = 16 << 20
 # A decode step takes milliseconds and a full prefill chunk well under a second on CPU; 30 s in one step is
 # a stuck engine.
@@ -60,6 +63,12 @@ def add_serve_parser(subparsers, add_engine_args: Callable[[argparse.ArgumentPar
                         "(default: $PAGEDSERVE_API_KEY, which keeps the key out of the process list)")
     g.add_argument("--max-samples-per-request", type=_positive(int), default=MAX_SAMPLES_PER_REQUEST,
                    metavar="N", help="largest n and best_of a request may ask for (400 above it)")
+    g.add_argument("--max-sequences-per-request", type=_positive(int), default=MAX_SEQUENCES_PER_REQUEST,
+                   metavar="N", help="largest number of prompts x samples (n or best_of) in one request")
+    g.add_argument("--max-tokens-per-request", type=_positive(int), default=None, metavar="TOKENS",
+                   help="largest sum over a request's prompts of prompt tokens + samples x max_tokens (max_tokens "
+                        "left out counts as the rest of the context); default: --max-samples-per-request x "
+                        "max_model_len, what one prompt with the largest n may take")
     g.add_argument("--max-request-body-size", type=_positive(int), default=MAX_REQUEST_BODY_SIZE,
                    metavar="BYTES", help="larger request bodies are refused with 413")
     g.add_argument("--health-max-stall-s", type=_positive(float), default=HEALTH_MAX_STALL_S,

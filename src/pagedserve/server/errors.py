@@ -25,6 +25,15 @@ class OpenAIError(Exception):
         self.type = type or _TYPES.get(status_code, "server_error" if status_code >= 500
                                        else "invalid_request_error")
 
+    @classmethod
+    def in_band(cls, exc: Exception) -> OpenAIError:
+        # An error after a stream started: 503 when the engine stopped, 400 when the request's own parameters
+        # failed it (RequestConstraintError is a ValueError), else 500.
+        from pagedserve.engine.output_stream import EngineClosedError
+
+        status = 503 if isinstance(exc, EngineClosedError) else 400 if isinstance(exc, ValueError) else 500
+        return cls(str(exc), status)
+
     def body(self) -> ErrorResponse:
         return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param,
                                              code=self.code))

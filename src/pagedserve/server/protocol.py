@@ -7,6 +7,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from pagedserve.sampling_params import MAX_SEED, MIN_SEED, SamplingParams, StructuredOutputsParams
+from pagedserve.structured_output.schema import check_json_value
 
 # vLLM's default --max-logprobs; OpenAI allows at most 5 (completions) and 20 (chat).
 MAX_LOGPROBS = 20
@@ -37,6 +38,8 @@ def _check_text(value: Any) -> Any:
 
 # A string (or a union holding strings) refused when it holds a lone surrogate.
 Text = Annotated[str, AfterValidator(_check_text)]
+# A tool's parameters (a JSON schema): every key and string valid Unicode, nesting bounded.
+ToolParameters = Annotated[dict[str, Any], AfterValidator(lambda v: check_json_value(v, "a tool's parameters"))]
 
 
 class ErrorInfo(OpenAIBaseModel):
@@ -76,10 +79,15 @@ class ResponseFormat(OpenAIRequestModel):
 class StructuredOutputsRequest(OpenAIRequestModel):
     # vLLM's `structured_outputs` extra body field.
     json_: dict[str, Any] | str | None = Field(None, alias="json")
-    regex: str | None = None
-    choice: list[str] | None = None
-    grammar: str | None = None
+    regex: Text | None = None
+    choice: list[Text] | None = None
+    grammar: Text | None = None
     json_object: bool | None = None
+
+
+# vLLM's older fields for the same constraints (guided_json, ...): older clients still send them.
+LEGACY_STRUCTURED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                            "guided_grammar": "grammar"}
 
 
 class _SamplingRequest(OpenAIRequestModel):
@@ -113,6 +121,24 @@ class _SamplingRequest(OpenAIRequestModel):
     cache_salt: str | None = Field(None, min_length=1)
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: Text | None = None
+    guided_choice: list[Text] | None = None
+    guided_grammar: Text | None = None
+    # vLLM picked its grammar library by this; here xgrammar enforces every constraint, whichever is named.
+    guided_decoding_backend: Text | None = None
+
+    @model_validator(mode="after")
+    def _fold_legacy_structured_outputs(self) -> Any:
+        legacy = {new: getattr(self, old) for old, new in LEGACY_STRUCTURED_FIELDS.items()
+                  if getattr(self, old) is not None}
+        if legacy:
+            if self.structured_outputs is not None:
+                raise ValueError(f"give either structured_outputs or the legacy "
+                                 f"{', '.join(k for k in LEGACY_STRUCTURED_FIELDS if getattr(self, k) is not None)}"
+                                 ", not both")
+            self.structured_outputs = StructuredOutputsRequest.model_validate(legacy)
+        return self
 
     @model_validator(mode="after")
     def _check_prompt_logprobs(self) -> Any:
@@ -212,12 +238,12 @@ class TextContentPart(OpenAIRequestModel):
 
 
 class FunctionCall(OpenAIBaseModel):
-    name: str
-    arguments: str  # JSON text, as OpenAI sends it
+    name: Text
+    arguments: Text  # JSON text, as OpenAI sends it
 
 
 class ToolCall(OpenAIBaseModel):
-    id: str
+    id: Text
     type: Literal["function"] = "function"
     function: FunctionCall
 
@@ -227,7 +253,7 @@ class ChatMessage(OpenAIRequestModel):
     content: Annotated[str | list[TextContentPart] | None, AfterValidator(_check_text)] = None
     name: Text | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
-    tool_call_id: str | None = None            # a tool turn: which call this result answers
+    tool_call_id: Text | None = None           # a tool turn: which call this result answers
 
     def to_template_dict(self) -> dict[str, Any]:
         content = self.content
@@ -246,9 +272,9 @@ class ChatMessage(OpenAIRequestModel):
 
 
 class FunctionDefinition(OpenAIRequestModel):
-    name: str = Field(min_length=1, max_length=64)
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
+    name: Text = Field(min_length=1, max_length=64)
+    description: Text | None = None
+    parameters: ToolParameters | None = None
     strict: bool | None = None
 
 
@@ -258,7 +284,7 @@ class ChatTool(OpenAIRequestModel):
 
 
 class NamedFunction(OpenAIRequestModel):
-    name: str
+    name: Text
 
 
 class NamedToolChoice(OpenAIRequestModel):

@@ -7,7 +7,7 @@ from typing import Any, AsyncIterator
 from fastapi import Request
 from fastapi.responses import Response
 
-from pagedserve.engine.async_engine import EngineClosedError, OutputStream
+from pagedserve.engine.async_engine import OutputStream
 from pagedserve.outputs import Logprob, RequestOutput
 from pagedserve.sampling_params import RequestOutputKind
 from pagedserve.server.context import ServerContext, random_id, usage_of
@@ -57,6 +57,7 @@ class OpenAIServingChat:
         self.ctx = ctx
 
     async def create(self, req: ChatCompletionRequest, raw_request: Request) -> Response:
+        self.ctx.limits.check_samples(req.n)
         self.ctx.check_model(req.model)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         num_top = req.top_logprobs or 0
@@ -74,8 +75,11 @@ class OpenAIServingChat:
         if req.documents:
             template_kwargs["documents"] = req.documents
         request_id = random_id("chatcmpl")
-        stream = await self.ctx.engine.add_request(
-            request_id, chat_prompt(messages, req.add_generation_prompt, req.cache_salt, template_kwargs), params)
+        engine = self.ctx.engine
+        prompt = await engine.run_processor(
+            chat_prompt(messages, req.add_generation_prompt, req.cache_salt, template_kwargs))
+        self.ctx.limits.check_tokens([len(prompt["prompt_token_ids"])], max_tokens, req.n, engine.max_model_len)
+        stream = await engine.add_request(request_id, prompt, params)
         created = int(time.time())
         if req.stream:
             return SSEResponse(self._stream(req, stream, request_id, created), on_close=stream.close)
@@ -133,10 +137,8 @@ class OpenAIServingChat:
                                                                        completion_tokens=num_completion_tokens,
                                                                        total_tokens=num_prompt_tokens
                                                                        + num_completion_tokens)))
-        except EngineClosedError as exc:
-            yield OpenAIError(str(exc), 503).sse_payload()
         except Exception as exc:  # noqa: BLE001 (the response has started; report in-band)
-            yield OpenAIError(str(exc), 500).sse_payload()
+            yield OpenAIError.in_band(exc).sse_payload()
         finally:
             stream.close()
         yield SSE_DONE

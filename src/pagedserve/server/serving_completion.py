@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import Response
 
-from pagedserve.engine.async_engine import EngineClosedError, OutputStream
+from pagedserve.engine.async_engine import OutputStream
 from pagedserve.outputs import Logprob, RequestOutput
 from pagedserve.sampling_params import RequestOutputKind
 from pagedserve.server.context import ServerContext, random_id, usage_of
@@ -64,11 +64,14 @@ def first_token_texts(ctx: ServerContext, outs: list[RequestOutput]) -> list[str
     return [texts(o.prompt_token_ids[0]) for o in outs]
 
 
-def salted(prompt: str | list[int], cache_salt: str | None) -> str | list[int] | dict:
-    if cache_salt is None:
-        return prompt
-    key = "prompt" if isinstance(prompt, str) else "prompt_token_ids"
-    return {key: prompt, "cache_salt": cache_salt}
+def tokenized_prompt(text: str | None, token_ids: list[int], cache_salt: str | None) -> dict:
+    # What the Processor takes without tokenizing again: the ids, the text it came from, the salt.
+    prompt: dict = {"prompt_token_ids": token_ids}
+    if text is not None:
+        prompt["prompt"] = text
+    if cache_salt is not None:
+        prompt["cache_salt"] = cache_salt
+    return prompt
 
 
 @dataclass(slots=True)
@@ -82,21 +85,34 @@ class OpenAIServingCompletion:
         self.ctx = ctx
 
     async def create(self, req: CompletionRequest, raw_request: Request) -> Response:
+        limits = self.ctx.limits
+        num_samples = req.best_of or req.n
+        limits.check_samples(req.n, req.best_of)
+        prompts = req.prompts()
+        limits.check_sequences(len(prompts), num_samples)
         self.ctx.check_model(req.model)
         params = req.to_sampling_params(req.max_tokens, req.logprobs, req.best_of, req.num_prompt_logprobs)
         params.output_kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
-        prompts = req.prompts()
         request_id = random_id("cmpl")
         engine = self.ctx.engine
-        echo_texts: list[str] = [""] * len(prompts)
-        if req.echo and all(isinstance(p, str) for p in prompts):
-            echo_texts = list(prompts)  # type: ignore[arg-type]
-        elif req.echo:  # token-id prompts are echoed as their text, decoded on the engine thread
-            echo_texts = await engine.run_processor(lambda proc: [p if isinstance(p, str) else
-                                                                  proc.tokenizer.decode(p) for p in prompts])
+
+        def tokenize(proc: Any) -> list[tuple[str | None, list[int], str]]:
+            # Each prompt checked and tokenized once, on the tokenizer thread; token-id prompts are echoed as
+            # their text, decoded only once their ids are known to be in the vocabulary.
+            out = []
+            for p in prompts:
+                text, ids = proc.tokenize(p)
+                echo = "" if not req.echo else text if text is not None else proc.tokenizer.decode(ids)
+                out.append((text, ids, echo))
+            return out
+
+        tokenized = await engine.run_processor(tokenize)
+        limits.check_tokens([len(ids) for _, ids, _ in tokenized], req.max_tokens, num_samples,
+                            engine.max_model_len)
+        echo_texts = [echo for _, _, echo in tokenized]
         sub_ids = [f"{request_id}-{i}" for i in range(len(prompts))]
-        stream = await engine.add_requests([(rid, salted(p, req.cache_salt), params)
-                                            for rid, p in zip(sub_ids, prompts)])
+        stream = await engine.add_requests([(rid, tokenized_prompt(text, ids, req.cache_salt), params)
+                                            for rid, (text, ids, _) in zip(sub_ids, tokenized)])
         created = int(time.time())
         if req.stream:
             return SSEResponse(self._stream(req, stream, request_id, created, sub_ids, echo_texts),
@@ -172,10 +188,8 @@ class OpenAIServingCompletion:
                                   total_tokens=prompt_total + num_completion_tokens)
                 yield sse(CompletionStreamResponse(id=request_id, created=created, model=model, choices=[],
                                                    usage=usage))
-        except EngineClosedError as exc:
-            yield OpenAIError(str(exc), 503).sse_payload()
         except Exception as exc:  # noqa: BLE001 (the response has started; report in-band)
-            yield OpenAIError(str(exc), 500).sse_payload()
+            yield OpenAIError.in_band(exc).sse_payload()
         finally:
             stream.close()
         yield SSE_DONE

@@ -5,9 +5,11 @@
     wait / wait_async (timeout) <-------  CompiledGrammar
     EngineCoreRequest(grammar=...) ------------------------------------->  matcher per sequence (manager.py)
 
-xgrammar cannot cancel a compile: one that runs past the timeout fails its request at once but finishes (or
-not) on its grammar thread. Its future stays cached, so the same spec sent again waits on that compile
-instead of starting another one.
+Compiles wait in one queue for NUM_COMPILE_THREADS grammar threads (a burst of 1,000 schemas makes no more
+threads). A compile still queued when its request times out is dropped. xgrammar cannot cancel a running
+compile: one that runs past the timeout fails its request at once and gives its slot to a new thread (up to
+MAX_OVERRUNNING_COMPILES such), but finishes (or not) on its own thread. Its future stays cached, so the same spec sent again waits on that compile instead of starting another one.
+The cache holds at most cache_size grammars and cache_memory_bytes of their memory, least recently used out.
 """
 from __future__ import annotations
 
@@ -21,10 +23,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedserve.config import StructuredOutputsConfig
-from pagedserve.sampling_params import StructuredOutputsParams
+from pagedserve.sampling_params import SamplingParams, StructuredOutputsParams
 from pagedserve.structured_output.schema import check_schema, load_schema
 
 NUM_COMPILE_THREADS = 2
+# A compile past its timeout cannot be stopped, but it gives up its slot: a new thread takes the queue while it
+# runs on, up to this many such overrunning compiles at once (beyond that they keep their slots).
+MAX_OVERRUNNING_COMPILES = 4
 # xgrammar prefixes its errors with a timestamp and a C++ source location; the user needs only the message.
 _CPP_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 
@@ -63,9 +68,13 @@ class GrammarCompileService:
         self._compiler: Any = None  # built on first use: the tokenizer info takes about a second
         self._lock = threading.Lock()
         self._cache: collections.OrderedDict[GrammarSpec, concurrent.futures.Future] = collections.OrderedDict()
+        self._cached_bytes: dict[GrammarSpec, int] = {}  # of the compiled grammars in _cache
         # Daemon threads, not a ThreadPoolExecutor: the interpreter joins executor threads at exit, so a
-        # runaway compile would hold up the server's shutdown. At most NUM_COMPILE_THREADS compile at once.
-        self._slots = threading.BoundedSemaphore(NUM_COMPILE_THREADS)
+        # runaway compile would hold up the server's shutdown.
+        self._queue: collections.deque[tuple[GrammarSpec, concurrent.futures.Future]] = collections.deque()
+        self._queued = threading.Condition(self._lock)
+        self._num_threads = 0  # threads taking compiles from the queue: at most NUM_COMPILE_THREADS
+        self._overrunning: set[concurrent.futures.Future] = set()  # past the timeout, their threads given up
         self._closed = False
 
     @property
@@ -81,25 +90,65 @@ class GrammarCompileService:
                 self._cache.move_to_end(spec)
                 return fut
             fut = concurrent.futures.Future()
-            threading.Thread(target=self._run, args=(spec, fut), name="pagedserve-grammar", daemon=True).start()
+            if self._closed:
+                fut.cancel()
+                return fut
+            self._queue.append((spec, fut))
+            self._start_thread()
+            self._queued.notify()
             if self.config.cache_size:
                 self._cache[spec] = fut
-                while len(self._cache) > self.config.cache_size:
-                    self._cache.popitem(last=False)
+                self._evict()
         return fut
 
     def wait(self, fut: concurrent.futures.Future) -> Any:
         try:
             return fut.result(timeout=self.timeout_s)
         except concurrent.futures.TimeoutError:
+            raise ValueError(self._timed_out(fut)) from None
+        except concurrent.futures.CancelledError:  # another waiter timed out while it was queued
             raise ValueError(self._timeout_message()) from None
 
     async def wait_async(self, fut: concurrent.futures.Future) -> Any:
-        # shield: a timed-out or cancelled waiter must not cancel the compile others may share.
+        # shield: a cancelled waiter must not cancel the compile others may share.
         try:
             return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(fut)), self.timeout_s)
         except asyncio.TimeoutError:
+            raise ValueError(self._timed_out(fut)) from None
+        except asyncio.CancelledError:
+            if not fut.cancelled():
+                raise  # the waiter itself was cancelled
             raise ValueError(self._timeout_message()) from None
+
+    def _start_thread(self) -> None:  # under _lock
+        if self._num_threads < NUM_COMPILE_THREADS:
+            self._num_threads += 1
+            threading.Thread(target=self._run, name="pagedserve-grammar", daemon=True).start()
+
+    def _timed_out(self, fut: concurrent.futures.Future) -> str:
+        # A compile that has not started yet is dropped, and forgotten so that the spec may be sent again.
+        # A running one frees its slot for the queue (see MAX_OVERRUNNING_COMPILES).
+        with self._lock:
+            if fut.cancel():
+                for spec, cached in list(self._cache.items()):
+                    if cached is fut:
+                        del self._cache[spec]
+            elif fut.running() and fut not in self._overrunning and len(self._overrunning) < MAX_OVERRUNNING_COMPILES:
+                self._overrunning.add(fut)
+                self._num_threads -= 1
+                if self._queue:
+                    self._start_thread()
+        return self._timeout_message()
+
+    def _evict(self) -> None:  # under _lock
+        while self._cache and (len(self._cache) > self.config.cache_size
+                               or sum(self._cached_bytes.values()) > self.config.cache_memory_bytes):
+            spec, _ = self._cache.popitem(last=False)
+            self._cached_bytes.pop(spec, None)
+
+    def num_cached_bytes(self) -> int:
+        with self._lock:
+            return sum(self._cached_bytes.values())
 
     def _timeout_message(self) -> str:
         return (f"the grammar did not compile within {self.timeout_s:g}s "
@@ -115,16 +164,35 @@ class GrammarCompileService:
                 self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
             return self._compiler
 
-    def _run(self, spec: GrammarSpec, fut: concurrent.futures.Future) -> None:
+    def _run(self) -> None:
         _low_priority()
-        with self._slots:
-            if self._closed or not fut.set_running_or_notify_cancel():
-                fut.cancel()
-                return
+        while True:
+            with self._lock:
+                while not self._queue and not self._closed:
+                    self._queued.wait()
+                if self._closed:
+                    self._num_threads -= 1
+                    return
+                spec, fut = self._queue.popleft()
+            if not fut.set_running_or_notify_cancel():
+                continue  # its requests timed out while it waited
             try:
-                fut.set_result(self._compile(spec))
+                grammar = self._compile(spec)
+                num_bytes = int(grammar.memory_size_bytes)  # xgrammar's estimate, a property
             except BaseException as exc:  # noqa: BLE001 (delivered to every waiter)
-                fut.set_exception(exc)
+                grammar, num_bytes = exc, 0
+            with self._lock:
+                if self._cache.get(spec) is fut and not isinstance(grammar, BaseException):
+                    self._cached_bytes[spec] = num_bytes
+                    self._evict()
+                overran = fut in self._overrunning
+                self._overrunning.discard(fut)
+            if isinstance(grammar, BaseException):
+                fut.set_exception(grammar)
+            else:
+                fut.set_result(grammar)
+            if overran:
+                return  # its slot went to another thread when it passed the timeout
 
     def _compile(self, spec: GrammarSpec) -> Any:
         compiler = self._get_compiler()
@@ -144,7 +212,38 @@ class GrammarCompileService:
             raise ValueError(f"the {what} cannot be compiled: {_CPP_PREFIX.sub('', str(e)).strip()}") from None
 
     def shutdown(self) -> None:
-        self._closed = True  # compiles not started yet are cancelled; a running one is left to its thread
+        # Compiles not started yet are cancelled; a running one is left to its thread.
+        with self._lock:
+            self._closed = True
+            for _, fut in self._queue:
+                fut.cancel()
+            self._queue.clear()
+            self._queued.notify_all()
+
+
+def check_first_token(grammar: Any, params: SamplingParams) -> None:
+    """ValueError when no first token satisfies both the grammar and params (nothing could be sampled).
+
+    Without this the step would sample from all -inf logits and the grammar would reject what came out.
+    """
+    import torch
+    import xgrammar as xgr
+
+    info = grammar.tokenizer_info
+    bitmask = xgr.allocate_token_bitmask(1, info.vocab_size)
+    xgr.GrammarMatcher(grammar).fill_next_token_bitmask(bitmask)
+    allowed = torch.zeros(1, info.vocab_size)
+    xgr.apply_token_bitmask_inplace(allowed, bitmask)
+    allowed = allowed[0].isfinite()
+    allowed[list(info.stop_token_ids)] = False
+    if not allowed.any():
+        raise ValueError("the structured output constraint matches no text (or only the empty text)")
+    so = params.structured_outputs
+    if so is not None and so.choice is not None and params.min_tokens > max(len(c.encode()) for c in so.choice):
+        # A token covers at least one byte, so no choice can be written in min_tokens tokens.
+        raise ValueError(f"min_tokens ({params.min_tokens}) is more tokens than any of the choices can take")
+    if params.allowed_token_ids is not None and not allowed[params.allowed_token_ids].any():
+        raise ValueError("none of allowed_token_ids can begin text that the structured output constraint accepts")
 
 
 def _low_priority() -> None:

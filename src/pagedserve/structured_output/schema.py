@@ -23,8 +23,33 @@ _LIST = ("anyOf", "oneOf", "allOf", "prefixItems")
 _MAP = ("properties", "$defs", "definitions")
 
 
+# Deeper schemas are refused before anything walks them: jsonschema's and xgrammar's walks recurse, and a
+# schema nested thousands deep would end in a RecursionError (a crash, not the client's error).
+MAX_JSON_DEPTH = 100
+
+
 def load_schema(schema: str | dict) -> dict:
-    return json_object(schema, "the JSON schema")
+    return check_json_value(json_object(schema, "the JSON schema"), "the JSON schema")
+
+
+def check_json_value(value: Any, what: str) -> Any:
+    """value, once its nesting depth is at most MAX_JSON_DEPTH and its keys and strings are valid Unicode."""
+    stack = [(value, 1)]
+    while stack:  # iterative: the point is not to recurse on a client's nesting
+        node, depth = stack.pop()
+        if isinstance(node, str):
+            try:
+                node.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError(f"{what} holds a lone surrogate in {node[:40]!r}") from None
+            continue
+        if not isinstance(node, (dict, list)):
+            continue
+        if depth > MAX_JSON_DEPTH:
+            raise ValueError(f"{what} is nested more than {MAX_JSON_DEPTH} levels deep")
+        items = [*node.keys(), *node.values()] if isinstance(node, dict) else node
+        stack.extend((item, depth + 1) for item in items)
+    return value
 
 
 # The meta-schema check is pure Python and holds the GIL for as long as it runs, which grows with the schema.

@@ -1,0 +1,95 @@
+"""The grammar compile service's limits: a bounded cache (by memory), a fixed number of compile threads, and
+queued compiles dropped once their request has timed out. A word-level tokenizer keeps compiles fast."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from pagedserve.config import StructuredOutputsConfig
+from pagedserve.sampling_params import StructuredOutputsParams
+from pagedserve.structured_output.backend import NUM_COMPILE_THREADS, GrammarCompileService, grammar_spec
+from tests.server.fake_engine import VOCAB, word_tokenizer
+
+
+def service(**config) -> GrammarCompileService:
+    return GrammarCompileService(word_tokenizer(), len(VOCAB), [0], StructuredOutputsConfig(**config))
+
+
+def choices(num: int) -> StructuredOutputsParams:
+    return StructuredOutputsParams(choice=[f"t{i}" for i in range(1, num + 1)])
+
+
+def test_cache_is_bounded_by_memory():
+    sizes = {}
+    probe = service()
+    for num in (10, 20, 30, 40):
+        sizes[num] = probe.wait(probe.compile(choices(num))).memory_size_bytes
+    limit = sizes[30] + sizes[40]  # holds the last two, not the last three
+    svc = service(cache_memory_bytes=limit)
+    futures = {num: svc.compile(choices(num)) for num in sizes}
+    for num, fut in futures.items():
+        svc.wait(fut)
+        assert svc.num_cached_bytes() <= limit
+    assert svc.num_cached_bytes() == limit
+    assert svc.compile(choices(40)) is futures[40] and svc.compile(choices(30)) is futures[30]
+    assert svc.compile(choices(10)) is not futures[10]  # evicted: compiled again
+    probe.shutdown()
+    svc.shutdown()
+
+
+def test_a_burst_of_compiles_takes_a_fixed_number_of_threads():
+    def num_grammar_threads() -> int:
+        return sum(t.name == "pagedserve-grammar" for t in threading.enumerate())
+
+    svc = service()
+    before = num_grammar_threads()
+    futures = [svc.compile(StructuredOutputsParams(regex=f"t{i}+")) for i in range(40)]
+    assert num_grammar_threads() - before <= NUM_COMPILE_THREADS
+    for fut in futures:
+        svc.wait(fut)
+    svc.shutdown()
+
+
+def test_a_queued_compile_is_dropped_when_its_request_times_out():
+    svc = service(compile_timeout_s=0.3)
+    gate, compile_now = threading.Event(), svc._compile
+
+    def held(spec):  # the first compiles take both threads until the gate opens
+        gate.wait(30)
+        return compile_now(spec)
+
+    svc._compile = held
+    busy = [svc.compile(choices(num)) for num in range(1, NUM_COMPILE_THREADS + 1)]
+    queued = svc.compile(choices(50))
+    with pytest.raises(ValueError, match="did not compile within"):
+        svc.wait(queued)
+    assert queued.cancelled()  # never started, and it holds no thread
+    gate.set()
+    for fut in busy:
+        svc.wait(fut)
+    again = svc.compile(choices(50))  # the spec is compiled afresh when sent again
+    assert again is not queued and svc.wait(again) is not None
+    svc.shutdown()
+
+
+def test_a_compile_past_its_timeout_frees_its_slot():
+    svc = service(compile_timeout_s=0.3)
+    gate, compile_now = threading.Event(), svc._compile
+    slow = {grammar_spec(choices(num)) for num in range(1, NUM_COMPILE_THREADS + 1)}
+
+    def held(spec):  # the slow compiles run until the gate opens, far past the timeout
+        if spec in slow:
+            gate.wait(30)
+        return compile_now(spec)
+
+    svc._compile = held
+    busy = [svc.compile(choices(num)) for num in range(1, NUM_COMPILE_THREADS + 1)]
+    for fut in busy:
+        with pytest.raises(ValueError, match="did not compile within"):
+            svc.wait(fut)
+    assert all(fut.running() for fut in busy)
+    assert svc.wait(svc.compile(choices(50))) is not None  # compiled while the slow ones still run
+    gate.set()
+    assert all(fut.result(30) is not None for fut in busy)  # their results still reach the cache
+    svc.shutdown()
