@@ -39,8 +39,10 @@ from pagedserve.attention.backend import get_attention_backend
 from pagedserve.malloc import release_free_memory
 from pagedserve.model.gguf_file import open_gguf_file
 from pagedserve.model.gguf_weights import GGUF_ARCHITECTURES, dense_tensors, load_gguf_blocks, unpermute_qk
+from pagedserve.model.family import split_fused_weights
 from pagedserve.model.hf_config import HFConfig, read_config
 from pagedserve.model.layers.parallel import shard_config, shard_weights
+from pagedserve.model.layers.rotary import longrope_max_len
 from pagedserve.model.registry import get_model_class, resolve_architecture
 from pagedserve.model.weight_quant import apply_quantization, resolve_quantization
 
@@ -178,7 +180,9 @@ def _load_hf_dir(path: str, model_name: str, device: torch.device, dtype: torch.
         model.load_weights(_iter_safetensors(files))
     else:
         model = model_cls(local_config, backend, device=device, dtype=dtype, tp=tp, vocab_size=hf_config.vocab_size)
-        model.load_weights(shard_weights(_iter_safetensors(files, lazy=True), tp, hf_config.vocab_size))
+        # Fused checkpoint tensors (Phi-3) are split by the full model's sizes before each rank takes its rows.
+        weights = split_fused_weights(_iter_safetensors(files, lazy=True), hf_config)
+        model.load_weights(shard_weights(weights, tp, hf_config.vocab_size))
     return LoadedModel(model=model.eval(), hf_config=hf_config, tokenizer=tokenizer,
                        chat_template=getattr(tokenizer, "chat_template", None),
                        eos_token_ids=_eos_token_ids(path, hf_config, tokenizer),
@@ -233,8 +237,9 @@ def _eos_token_ids(path: str, hf_config, tokenizer) -> list[int]:
 
 def _max_model_len(hf_config) -> int:
     # Sliding-window layers attend within their window at any length (model/llama.py), so the window does
-    # not cap the context.
-    return int(hf_config.max_position_embeddings)
+    # not cap the context. longrope serves with its short factors, up to the length they were made for
+    # (layers/rotary.py).
+    return longrope_max_len(hf_config) or int(hf_config.max_position_embeddings)
 
 
 # ---------------------------------------------------------------- GGUF conversion
