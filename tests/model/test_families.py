@@ -125,3 +125,17 @@ def test_generate_matches_transformers_with_prefix_caching(name: str, embedded_m
         for i, (out, (want, margins)) in enumerate(zip(outs, wants)):
             assert_same_greedy(list(out.outputs[0].token_ids), want, margins, f"{name} round {round_} prompt {i}")
     assert llm.llm_engine.core.kv.prefix_stats.num_hits >= 16  # the second round read the shared prefix
+
+
+def test_model_types_resolve_and_bad_activation_is_refused() -> None:
+    # GGUF-derived configs carry only model_type; each family resolves from it.
+    want = {"qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
+            "phi3": "Phi3ForCausalLM"}
+    for name, arch in want.items():
+        config = family_config(name)
+        config.architectures = None
+        assert resolve_architecture(config) == arch
+    config = family_config("gemma2")
+    config.hidden_activation = "relu"
+    with pytest.raises(ValueError, match="unsupported hidden activation 'relu'"):
+        get_model_class("Gemma2ForCausalLM")(config, get_attention_backend("reference"), dtype=torch.float32)

@@ -20,7 +20,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-# model_type -> the settings of that family that the config does not spell out.
+from pagedserve.model.layers.rotary import rotary_dim
+
+# The model types whose switches the config does not spell out.
 _GEMMA = ("gemma2", "gemma3_text")
 _QK_NORM = ("qwen3", "gemma3_text")
 # Checkpoint tensors that some families store fused, and the per-part names the layers load (Phi-3).
@@ -66,7 +68,8 @@ def decoder_family(hf_config) -> DecoderFamily:
     gemma = model_type in _GEMMA
     act = activation_name(hf_config)
     if act != "silu" and act not in GELU_TANH:
-        raise ValueError(f"unsupported hidden activation {act!r}; supported: 'silu', {', '.join(map(repr, GELU_TANH))}")
+        raise ValueError(f"unsupported hidden activation {act!r}; supported: "
+                         f"{', '.join(map(repr, ('silu',) + GELU_TANH))}")
     if getattr(hf_config, "use_bidirectional_attention", False):
         raise ValueError("use_bidirectional_attention is not supported (pagedserve serves causal decoders)")
     attention_bias = bool(getattr(hf_config, "attention_bias", False))
@@ -75,8 +78,6 @@ def decoder_family(hf_config) -> DecoderFamily:
     layer_types = getattr(hf_config, "layer_types", None)
     per_type_rope = isinstance(getattr(hf_config, "rope_parameters", None), dict) and layer_types is not None \
         and all(t in hf_config.rope_parameters for t in set(layer_types))
-    from pagedserve.model.layers.rotary import rotary_dim  # rotary imports hf_config only; no cycle at load
-
     return DecoderFamily(
         qkv_bias=model_type == "qwen2" or attention_bias, o_bias=attention_bias and model_type != "qwen2",
         mlp_bias=bool(getattr(hf_config, "mlp_bias", False)), qk_norm=model_type in _QK_NORM,

@@ -44,7 +44,8 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = embedding(hf_config.vocab_size, hf_config.hidden_size, device, dtype, tp)
         head_dim = head_dim_of(hf_config)
-        rotaries = {t: RotaryEmbedding(hf_config, head_dim, device=device, layer_type=t) for t in set(family.layer_rope)}
+        rotaries = {t: RotaryEmbedding(hf_config, head_dim, device=device, layer_type=t)
+                    for t in set(family.layer_rope)}
         # Windowed or soft-capped layers attend through the reference backend, one per window.
         cap = family.attn_logit_softcap
         backends = {w: ReferenceAttentionBackend(sliding_window=w, logit_softcap=cap)
