@@ -5,14 +5,11 @@ prompts of 30-40, so sliding layers see less than the whole sequence.
 """
 from __future__ import annotations
 
-import contextlib
-import io
-
 import pytest
 import torch
 import transformers
 
-from pagedserve import LLM, SamplingParams, model_metadata
+from pagedserve import LLM, SamplingParams
 from pagedserve.attention.backend import get_attention_backend
 from pagedserve.model.registry import get_model_class, resolve_architecture
 from tests.paged_metadata import run_paged_schedule
@@ -75,15 +72,6 @@ def test_paged_logits_match_transformers(name: str, numerics) -> None:
     assert diff < 1e-4, f"{name}: max abs logit diff {diff}"
 
 
-def _metadata_in_process(*args: str) -> str:
-    # The config resolution the engine runs in a child process (model_metadata.py), here where transformers
-    # is imported already: the same code, without a ~10 s interpreter start per model.
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        model_metadata._main(*args)
-    return out.getvalue()
-
-
 def _hf_greedy(hf_model, prompt_ids: list[int], max_tokens: int) -> tuple[list[int], list[float]]:
     # transformers' greedy tokens and, per step, the margin between its top two logits.
     with torch.no_grad():
@@ -103,16 +91,14 @@ def assert_same_greedy(got: list[int], want: list[int], margins: list[float], la
 
 
 @pytest.mark.parametrize("name", FAMILIES)
-def test_generate_matches_transformers_with_prefix_caching(name: str, embedded_model, tmp_path, monkeypatch) -> None:
+def test_generate_matches_transformers_with_prefix_caching(name: str, embedded_model, model_cache) -> None:
     # The whole engine (compiled kernel for full-attention layers, chunked prefill of 16 tokens, block size
     # 16): prompts past the window that share a 20-token prefix, run twice so the second round starts from
     # cached blocks.
-    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(model_metadata, "run", _metadata_in_process)
     # The embedded model's tokenizer over the first 512 of its ids: a small LM head keeps the test quick.
     config = family_config(name, vocab_size=512, eos_token_id=embedded_model.eos_token_ids[0])
     hf_model = random_hf_model(config, scale=0.3)
-    model_dir = save_hf_dir(hf_model, embedded_model.tokenizer, tmp_path / name)
+    model_dir = save_hf_dir(hf_model, embedded_model.tokenizer, model_cache / name)
     gen = torch.Generator().manual_seed(3)
     prefix = torch.randint(0, 512, (20,), generator=gen).tolist()
     prompts = [prefix + torch.randint(0, 512, (n,), generator=gen).tolist() for n in (14, 9)]

@@ -281,6 +281,11 @@ def _write_gguf_metadata(path: str, cache_dir: str) -> None:
         with open(config_file, encoding="utf-8") as f:
             config = json.load(f)
         config["architectures"] = [resolve_architecture(HFConfig(**config))]
+        # transformers reads no head_dim for some architectures (qwen3) and derives hidden / heads instead.
+        fields = open_gguf_file(path).fields
+        key_length = fields.get(f"{fields.get('general.architecture')}.attention.key_length")
+        if key_length is not None:
+            config["head_dim"] = int(key_length)
         with open(config_file, "w", encoding="utf-8") as f:
             f.write(json.dumps(config, indent=2, sort_keys=True) + "\n")  # as transformers' save_pretrained
         with open(os.path.join(tmp, "source.json"), "w") as f:
