@@ -11,6 +11,7 @@ import transformers
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.attention.backend import get_attention_backend
+from pagedserve.model.family import decoder_family
 from pagedserve.model.registry import get_model_class, resolve_architecture
 from tests.paged_metadata import run_paged_schedule
 from tests.tiny_models import random_hf_model, save_hf_dir
@@ -114,13 +115,15 @@ def test_generate_matches_transformers_with_prefix_caching(name: str, embedded_m
 
 
 def test_model_types_resolve_and_bad_activation_is_refused() -> None:
-    # GGUF-derived configs carry only model_type; each family resolves from it.
+    # GGUF-derived configs carry only model_type; each family resolves from it. None of these layers is the
+    # plain Llama layer the compiled decoder stack runs (Phi-3 here for its partial rotary).
     want = {"qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
             "phi3": "Phi3ForCausalLM"}
     for name, arch in want.items():
         config = family_config(name)
         config.architectures = None
         assert resolve_architecture(config) == arch
+        assert not decoder_family(config).runs_llama_layers, name
     config = family_config("gemma2")
     config.hidden_activation = "relu"
     with pytest.raises(ValueError, match="unsupported hidden activation 'relu'"):
