@@ -136,11 +136,10 @@ class LlamaForCausalLM(nn.Module):
         return len(self._shard_sizes.get(param_name.split(".")[-2], [param_name]))
 
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], norms_offset: bool = True) -> None:
-        # norms_offset False: the norm weights already hold family.norm_weight_offset + w (GGUF files).
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters())
         loaded: set[tuple[str, int]] = set()
-        offset = self.family.norm_weight_offset if norms_offset else 0.0
+        offset = self.family.norm_weight_offset  # Gemma: the norm weights hold 1 + w (model/family.py)
         for hf_name, tensor in split_fused_weights(weights, self.config):
             if hf_name.endswith(_IGNORED_SUFFIXES):
                 continue

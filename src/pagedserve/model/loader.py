@@ -37,9 +37,9 @@ from torch import nn
 from pagedserve import envs, model_metadata
 from pagedserve.attention.backend import get_attention_backend
 from pagedserve.malloc import release_free_memory
+from pagedserve.model.family import split_fused_weights
 from pagedserve.model.gguf_file import open_gguf_file
 from pagedserve.model.gguf_weights import GGUF_ARCHITECTURES, dense_tensors, load_gguf_blocks, unpermute_qk
-from pagedserve.model.family import split_fused_weights
 from pagedserve.model.hf_config import HFConfig, read_config
 from pagedserve.model.layers.parallel import shard_config, shard_weights
 from pagedserve.model.layers.rotary import longrope_max_len
