@@ -128,3 +128,29 @@ def test_model_types_resolve_and_bad_activation_is_refused() -> None:
     config.hidden_activation = "relu"
     with pytest.raises(ValueError, match="unsupported hidden activation 'relu'"):
         get_model_class("Gemma2ForCausalLM")(config, get_attention_backend("reference"), dtype=torch.float32)
+
+
+def test_phi3_fused_tensors_shard_per_part_for_tensor_parallel() -> None:
+    # Phi-3 stores [q | k | v] and [gate | up] fused; a rank must get its heads of each part, not a row
+    # range of the fused tensor. Loaded as the loader does it: split by the full sizes, then sharded.
+    from types import SimpleNamespace
+
+    from pagedserve.model.family import split_fused_weights
+    from pagedserve.model.layers.parallel import shard_config, shard_weights
+
+    config = family_config("phi3")
+    state = random_hf_model(config).state_dict()
+    q_rows, kv_rows, inter = 64, 32, config.intermediate_size  # 4 x 16 query rows, 2 x 16 per kv part
+    qkv, gate_up = state["model.layers.0.self_attn.qkv_proj.weight"], state["model.layers.0.mlp.gate_up_proj.weight"]
+    for rank in range(2):
+        tp = SimpleNamespace(rank=rank, world_size=2)
+        local = get_model_class("Phi3ForCausalLM")(shard_config(config, 2), get_attention_backend("reference"),
+                                                   dtype=torch.float32, tp=tp, vocab_size=config.vocab_size)
+        local.load_weights(shard_weights(split_fused_weights(state.items(), config), tp, config.vocab_size))
+        q, k, v = qkv.split([q_rows, kv_rows, kv_rows])
+        want = torch.cat([part.chunk(2)[rank] for part in (q, k, v)])
+        assert torch.equal(local.model.layers[0].self_attn.qkv_proj.weight, want)
+        want = torch.cat([part.chunk(2)[rank] for part in gate_up.split([inter, inter])])
+        assert torch.equal(local.model.layers[0].mlp.gate_up_proj.weight, want)
+    with pytest.raises(ValueError, match="qkv_proj.weight. has 128 rows, expected 64"):  # whole, on a rank
+        local.load_weights([("model.layers.0.self_attn.qkv_proj.weight", qkv)])

@@ -121,6 +121,10 @@ def split_fused_weights(weights: Iterable[tuple[str, object]], hf_config) -> Ite
         if fused not in FUSED_CHECKPOINT:
             yield name, weight
             continue
+        num_rows = (weight.get_shape() if hasattr(weight, "get_shape") else weight.shape)[0]
+        if num_rows != sum(part_rows[fused]):  # parts cut from a tensor of another shape would load silently
+            raise ValueError(f"checkpoint tensor {name!r} has {num_rows} rows, expected {sum(part_rows[fused])} "
+                             f"({' + '.join(map(str, part_rows[fused]))})")
         start = 0
         for part, rows in zip(FUSED_CHECKPOINT[fused], part_rows[fused]):
             yield ".".join(parts[:-2] + [part, parts[-1]]), weight[start:start + rows]
