@@ -14,7 +14,7 @@ import transformers
 from pagedserve.model import hf_config as hf_config_module
 from pagedserve.model.hf_config import HFConfig, as_transformers_config, read_config
 from pagedserve.model.layers.rotary import compute_inv_freq
-from pagedserve.model.llama import sliding_windows
+from pagedserve.model.family import sliding_windows
 from pagedserve.model.loader import load_tokenizer, resolve_model_dir
 from tests.model.test_parity import CONFIGS
 

@@ -107,7 +107,7 @@ def test_sliding_window_is_not_full_attention() -> None:
 
 
 def test_sliding_windows_per_layer() -> None:
-    from pagedserve.model.llama import sliding_windows
+    from pagedserve.model.family import sliding_windows
 
     assert sliding_windows(CONFIGS["mistral-sliding-window-5"]()) == [5, 5]
     assert sliding_windows(CONFIGS["qwen2-sliding-window-6"]()) == [None, 6]

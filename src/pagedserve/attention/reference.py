@@ -56,9 +56,11 @@ def gather_kv(kv_cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: in
 class ReferenceAttentionBackend:
     name = "reference"
 
-    def __init__(self, sliding_window: int | None = None) -> None:
+    def __init__(self, sliding_window: int | None = None, logit_softcap: float | None = None) -> None:
         # With a window W, query position p sees keys p - W + 1 .. p (transformers' and vLLM's convention).
         self.sliding_window = sliding_window
+        # Gemma 2: scores become cap * tanh(scores / cap) before the mask and softmax.
+        self.logit_softcap = logit_softcap
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -100,8 +102,7 @@ class ReferenceAttentionBackend:
         if self.sliding_window is not None:
             mask &= positions[None, :] >= seq_lens[:, None] - self.sliding_window
         mask = mask.view(batch, 1, 1, -1)
-        o = F.scaled_dot_product_attention(q, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask,
-                                           scale=scale)
+        o = self._attend(q, keys.transpose(1, 2), values.transpose(1, 2), mask, scale)
         o = o.reshape(batch, num_heads, head_dim).to(out.dtype)
         if all_decode:
             out.copy_(o)
@@ -115,7 +116,8 @@ class ReferenceAttentionBackend:
         keys, values = gather_kv(kv_cache, block_table[None], -(-seq_len // block_size), q.dtype)
         keys, values = keys[0, :seq_len].transpose(0, 1)[None], values[0, :seq_len].transpose(0, 1)[None]
         q = q.transpose(0, 1)[None]  # [1, Hq, q_len, D]
-        if q_len == seq_len and self.sliding_window is None:  # SDPA's top-left causal mask is exactly right
+        if q_len == seq_len and self.sliding_window is None and self.logit_softcap is None:
+            # SDPA's top-left causal mask is exactly right
             o = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale, enable_gqa=True)
         else:
             context_len = seq_len - q_len
@@ -124,5 +126,20 @@ class ReferenceAttentionBackend:
             mask = key_pos[None, :] <= query_pos[:, None]
             if self.sliding_window is not None:
                 mask &= key_pos[None, :] > query_pos[:, None] - self.sliding_window
-            o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+            o = self._attend(q, keys, values, mask, scale)
         return o[0].transpose(0, 1)
+
+    def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                scale: float) -> torch.Tensor:
+        # q [B, H, Lq, D], keys/values [B, Hkv, L, D] with H % Hkv == 0; mask (True: attend) broadcasts to
+        # [B, H, Lq, L]. SDPA has no soft-capping, so capped layers spell attention out, in transformers'
+        # order of operations (scale, cap, mask, float32 softmax).
+        if self.logit_softcap is None:
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+        if keys.shape[1] != q.shape[1]:
+            group = q.shape[1] // keys.shape[1]
+            keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
+        scores = torch.matmul(q, keys.transpose(-1, -2)) * scale
+        scores = torch.tanh(scores / self.logit_softcap) * self.logit_softcap
+        scores = scores.masked_fill(~mask, float("-inf"))
+        return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), values)

@@ -19,13 +19,14 @@ from pagedserve.model.layers.linear import Linear
 
 logger = logging.getLogger(__name__)
 
-# llama.cpp architecture names we can serve; Mistral GGUFs use "llama".
-GGUF_ARCHITECTURES = ("llama", "qwen2")
+# llama.cpp architecture names we can serve; Mistral GGUFs use "llama". Gemma and Phi-3 files are not read yet:
+# transformers' GGUF config reader drops their soft-capping, window pattern and longrope settings.
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 # GGUF per-layer tensor name -> HF name inside model.layers.N
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",

@@ -40,12 +40,14 @@ from torch import nn
 from pagedserve import envs, model_metadata
 from pagedserve.attention.backend import get_attention_backend
 from pagedserve.malloc import release_free_memory
+from pagedserve.model.family import split_fused_weights
 from pagedserve.model.gguf_file import open_gguf_file
 from pagedserve.model.gguf_weights import GGUF_ARCHITECTURES, dense_tensors, load_gguf_blocks, unpermute_qk
 from pagedserve.model.hf_config import HFConfig, read_config
 from pagedserve.model.hf_quant import (HFQuantScheme, checkpoint_quantization, dequantized_checkpoint,
                                        load_quantized_checkpoint)
 from pagedserve.model.layers.parallel import shard_config, shard_weights
+from pagedserve.model.layers.rotary import longrope_max_len
 from pagedserve.model.registry import get_model_class, resolve_architecture
 from pagedserve.model.weight_quant import apply_quantization, resolve_quantization
 
@@ -196,6 +198,8 @@ def _load_hf_dir(path: str, model_name: str, device: torch.device, dtype: torch.
         model = model_cls(local_config, backend, device=device, dtype=dtype, tp=tp, vocab_size=hf_config.vocab_size)
         weights = (_iter_safetensors(files, lazy=True) if hf_quant is None
                    else dequantized_checkpoint(_iter_safetensors(files), hf_quant))
+        # Fused checkpoint tensors (Phi-3) are split by the full model's sizes before each rank takes its rows.
+        weights = split_fused_weights(weights, hf_config)
         model.load_weights(shard_weights(weights, tp, hf_config.vocab_size))
     return LoadedModel(model=model.eval(), hf_config=hf_config, tokenizer=tokenizer,
                        chat_template=getattr(tokenizer, "chat_template", None),
@@ -251,8 +255,9 @@ def _eos_token_ids(path: str, hf_config, tokenizer) -> list[int]:
 
 def _max_model_len(hf_config) -> int:
     # Sliding-window layers attend within their window at any length (model/llama.py), so the window does
-    # not cap the context.
-    return int(hf_config.max_position_embeddings)
+    # not cap the context. longrope serves with its short factors, up to the length they were made for
+    # (layers/rotary.py).
+    return longrope_max_len(hf_config) or int(hf_config.max_position_embeddings)
 
 
 # ---------------------------------------------------------------- GGUF conversion
@@ -294,6 +299,11 @@ def _write_gguf_metadata(path: str, cache_dir: str) -> None:
         with open(config_file, encoding="utf-8") as f:
             config = json.load(f)
         config["architectures"] = [resolve_architecture(HFConfig(**config))]
+        # transformers reads no head_dim for some architectures (qwen3) and derives hidden / heads instead.
+        fields = open_gguf_file(path).fields
+        key_length = fields.get(f"{fields.get('general.architecture')}.attention.key_length")
+        if key_length is not None:
+            config["head_dim"] = int(key_length)
         with open(config_file, "w", encoding="utf-8") as f:
             f.write(json.dumps(config, indent=2, sort_keys=True) + "\n")  # as transformers' save_pretrained
         with open(os.path.join(tmp, "source.json"), "w") as f:

@@ -6,12 +6,11 @@ from torch import nn
 
 from pagedserve.model.llama import LlamaForCausalLM
 
-_MODEL_CLASSES: dict[str, type[nn.Module]] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": LlamaForCausalLM,
-}
-_MODEL_TYPE_TO_ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+# One class for every family: model/family.py reads the differences from the config.
+_MODEL_TYPE_TO_ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                       "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
+                       "gemma3_text": "Gemma3ForCausalLM"}
+_MODEL_CLASSES: dict[str, type[nn.Module]] = {arch: LlamaForCausalLM for arch in _MODEL_TYPE_TO_ARCH.values()}
 
 
 def supported_architectures() -> list[str]:

@@ -1,4 +1,5 @@
-"""SiLU-gated MLP activation over a fused [gate | up] projection (one matmul instead of two)."""
+"""Gated MLP activations over a fused [gate | up] projection (one matmul instead of two): SiLU (Llama) and
+GELU with the tanh approximation (Gemma's GeGLU)."""
 from __future__ import annotations
 
 import torch
@@ -15,3 +16,9 @@ class SiluAndMul(nn.Module):
             return ops.silu_and_mul(gate_up)  # one pass, no chunk/silu temporaries
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+
+class GeluTanhAndMul(nn.Module):
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up

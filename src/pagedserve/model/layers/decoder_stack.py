@@ -8,9 +8,10 @@ the same ops in the same order, so its output is bit-identical to the modules' (
 It serves the common case and leaves everything else to the modules: every linear holds GGUF blocks in their
 inputs' natural order (the default for GGUF files; a fused weight may have parts of several types, as a Q4_K_M
 qkv_proj does) that gemm_gguf or gemm_gguf_amx multiplies at this batch size, every layer attends through the
-compiled CPU kernel (no sliding window, no reference fallback), no tensor parallelism, activations of a dtype
-the layer kernels take. `build` checks what is fixed per model, `__call__` what depends on the step, and
-returns None to send the step through the modules.
+compiled CPU kernel (no sliding window, no reference fallback), the plain Llama layer (model/family.py: no q/k
+norm, Gemma norms, GeGLU, partial rotary or per-layer rope), no tensor parallelism, activations of a dtype the
+layer kernels take. `build` checks what is fixed per model, `__call__` what depends on the step, and returns
+None to send the step through the modules.
 """
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ class DecoderStack:
     def build(cls, model) -> DecoderStack | None:
         # None when some layer needs what only the modules do (see the module doc).
         layers = list(model.model.layers)
-        if not layers or model.tp is not None:
+        if not layers or model.tp is not None or not model.family.runs_llama_layers:
             return None
         first = layers[0].input_layernorm
         for layer in layers:

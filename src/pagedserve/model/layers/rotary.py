@@ -1,8 +1,10 @@
 """Rotary position embedding for flattened tokens, indexed by each token's absolute position.
 
-Inverse frequencies come from transformers' ROPE_INIT_FUNCTIONS so scaled variants (linear, llama3, yarn)
-match the checkpoints' reference implementation exactly. Rotation is the "rotate half" (GPT-NeoX) layout
-that HF Llama weights use; GGUF q/k rows are un-permuted into that layout by the loader.
+Inverse frequencies come from transformers' ROPE_INIT_FUNCTIONS so scaled variants (linear, llama3, yarn,
+longrope) match the checkpoints' reference implementation exactly. Rotation is the "rotate half" (GPT-NeoX)
+layout that HF Llama weights use; GGUF q/k rows are un-permuted into that layout by the loader. A partial
+rotary (partial_rotary_factor < 1, Phi-4-mini) turns the first rotary_dim dims of each head and passes the
+rest through; Gemma 3 gives its sliding layers their own parameters (rope_parameters per layer type).
 """
 from __future__ import annotations
 
@@ -13,57 +15,87 @@ from pagedserve import kernels
 from pagedserve.model.hf_config import as_transformers_config
 
 # "dynamic" (NTK) only rescales once a sequence outgrows max_position_embeddings, and the loader caps
-# max_model_len there, so its frequencies at that length (== default) are exact. "longrope" switches
-# frequency sets with the current sequence length, which one batch of mixed lengths cannot share: refused.
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+# max_model_len there, so its frequencies at that length (== default) are exact. "longrope" switches from its
+# short to its long factors once a sequence outgrows original_max_position_embeddings, which one batch of
+# mixed lengths cannot share: the short factors serve, and the loader caps max_model_len at that length.
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
 
-def rope_parameters(hf_config) -> dict:
-    # transformers >= 5 keeps everything in config.rope_parameters; older configs used rope_theta + rope_scaling.
+def rope_parameters(hf_config, layer_type: str | None = None) -> dict:
+    # transformers >= 5 keeps everything in config.rope_parameters (per layer type for Gemma 3); older
+    # configs used rope_theta + rope_scaling.
     params = dict(getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {})
+    if layer_type is not None:
+        params = dict(params[layer_type] or {})
     params.setdefault("rope_type", params.get("type", "default"))
     params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
     return params
 
 
-def compute_inv_freq(hf_config, head_dim: int) -> tuple[torch.Tensor, float]:
-    params = rope_parameters(hf_config)
+def rotary_dim(hf_config, head_dim: int, layer_type: str | None = None) -> int:
+    factor = rope_parameters(hf_config, layer_type).get("partial_rotary_factor",
+                                                        getattr(hf_config, "partial_rotary_factor", 1.0))
+    return int(head_dim * (factor or 1.0))
+
+
+def compute_inv_freq(hf_config, head_dim: int, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
+    params = rope_parameters(hf_config, layer_type)
     rope_type = params["rope_type"]
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"unsupported rope type {rope_type!r}; supported: {list(SUPPORTED_ROPE_TYPES)}")
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError("partial rotary embeddings are not supported")
     if rope_type == "default":
-        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+        dim = rotary_dim(hf_config, head_dim, layer_type)
+        exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
         return 1.0 / (params["rope_theta"] ** exponents), 1.0
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](as_transformers_config(hf_config), None)
+    kwargs = {} if layer_type is None else {"layer_type": layer_type}
+    inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](as_transformers_config(hf_config), None, **kwargs)
     return inv_freq.float(), float(attention_scaling)
 
 
+def longrope_max_len(hf_config) -> int | None:
+    # The longest sequence the short longrope factors serve (rotary.py's module doc), or None: no longrope.
+    params = rope_parameters(hf_config)
+    if params["rope_type"] != "longrope":
+        return None
+    return int(params.get("original_max_position_embeddings")
+               or getattr(hf_config, "original_max_position_embeddings", None) or hf_config.max_position_embeddings)
+
+
 class RotaryEmbedding(nn.Module):
-    def __init__(self, hf_config, head_dim: int, device: torch.device | str | None = None) -> None:
+    def __init__(self, hf_config, head_dim: int, device: torch.device | str | None = None,
+                 layer_type: str | None = None) -> None:
         super().__init__()
-        inv_freq, self.attention_scaling = compute_inv_freq(hf_config, head_dim)
-        if inv_freq.numel() * 2 != head_dim:
-            raise ValueError(f"rotary dim {inv_freq.numel() * 2} != head_dim {head_dim}")
+        inv_freq, self.attention_scaling = compute_inv_freq(hf_config, head_dim, layer_type)
+        self.rotary_dim = inv_freq.numel() * 2
+        if self.rotary_dim != rotary_dim(hf_config, head_dim, layer_type):
+            raise ValueError(f"rotary dim {self.rotary_dim} != {rotary_dim(hf_config, head_dim, layer_type)} "
+                             f"(head_dim {head_dim} and the config's partial_rotary_factor)")
         # Not persistent: derived from the config, never read from a checkpoint.
         self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
         self.max_positions = int(getattr(hf_config, "max_position_embeddings", 0) or 0)
         # [max_positions, head_dim] = [cos | sin] of each position's angles, built on first kernel use.
-        # The model shares one instance across its layers, so there is one table per model.
+        # Layers with the same rope parameters share one instance, so there is one table per parameter set.
         self._cos_sin: torch.Tensor | None = None
 
     def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         # positions [T]; query [T, Hq, D]; key [T, Hkv, D]. Angles in float32 as in the reference model,
         # then cast to the activations' dtype.
+        if self.rotary_dim != query.shape[-1]:  # partial: the kernel turns whole heads only
+            rot = self.rotary_dim
+            q_rot, k_rot = self._rotate(positions, query[..., :rot], key[..., :rot])
+            return torch.cat((q_rot, query[..., rot:]), dim=-1), torch.cat((k_rot, key[..., rot:]), dim=-1)
         ops = kernels.ops_for(query, kernels.LAYER_DTYPES)
         if ops is not None and self.max_positions and key.dtype == query.dtype:
             # In place: q and k are this layer's fresh projections, never shared.
             ops.rotary_embedding_(query, key, positions, self._table())
             return query, key
+        return self._rotate(positions, query, key)
+
+    def _rotate(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions[:, None].float() * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         cos = (emb.cos() * self.attention_scaling).to(query.dtype)[:, None, :]
