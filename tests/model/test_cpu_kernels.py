@@ -60,17 +60,11 @@ def test_rotary_in_place_matches_torch_path(variant_ops) -> None:
     q, k = q.view(7, 4, 16), k.view(7, 2, 16)
     positions = torch.tensor([0, 1, 2, 150, 151, 298, 299])
     rope._cos_sin = None
-    torch_q, torch_k = rope.forward.__func__(_TorchPath(rope), positions, q.clone(), k.clone())
+    torch_q, torch_k = rope._rotate(positions, q.clone(), k.clone())
     got_q, got_k = rope(positions, q, k)
     torch.testing.assert_close(got_q, torch_q)
     torch.testing.assert_close(got_k, torch_k)
     assert got_q.data_ptr() == q.data_ptr()  # rotated in place
-
-
-class _TorchPath:
-    # Runs RotaryEmbedding.forward with the kernels switched off (max_positions 0 selects the torch path).
-    def __init__(self, rope) -> None:
-        self.inv_freq, self.attention_scaling, self.max_positions = rope.inv_freq, rope.attention_scaling, 0
 
 
 def test_silu_and_mul(variant_ops) -> None:
@@ -110,7 +104,7 @@ def test_bf16_layer_ops_round_float32_results(variant_ops) -> None:
     close(SiluAndMul()(gate_up), F.silu(gate) * up)
     rope = RotaryEmbedding(LlamaConfig(hidden_size=64, num_attention_heads=4, max_position_embeddings=300), 16)
     q, k, positions = bf(3, 4, 16), bf(3, 2, 16), torch.tensor([0, 7, 299])
-    expected_q, expected_k = rope.forward.__func__(_TorchPath(rope), positions, q.float(), k.float())
+    expected_q, expected_k = rope._rotate(positions, q.float(), k.float())
     got_q, got_k = rope(positions, q, k)
     assert got_q.data_ptr() == q.data_ptr()  # the in-place kernel ran
     close(got_q, expected_q)

@@ -84,6 +84,8 @@ def test_block_kernels_match_gguf_dequantize(isa_name: str, qtype, monkeypatch) 
 
 def test_scale_fields_cover_every_type() -> None:
     assert set(SCALE_FIELDS) == set(TYPES)
+    # the load-time NaN/inf check reads every block type's scales
+    assert set(gguf_weights._SCALE_OFFSETS) == set(gguf_quant.GGUF_BLOCK_TYPES)
 
 
 @pytest.mark.parametrize("isa_name", ISAS)

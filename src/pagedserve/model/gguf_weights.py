@@ -37,7 +37,7 @@ SKIPPED = ("rope_freqs.weight",)
 _FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
           "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
 # Byte offsets of the float16 scales (d, and m / dmin) in each block of the block types (gguf-py's layouts).
-_SCALE_OFFSETS = {2: (0,), 3: (0, 2), 6: (0,), 7: (0, 2), 8: (0,), 12: (0, 2), 13: (0, 2), 14: (208,)}
+_SCALE_OFFSETS = {2: (0,), 3: (0, 2), 6: (0,), 7: (0, 2), 8: (0,), 12: (0, 2), 13: (0, 2), 14: (208,), 23: (0,)}
 
 
 def check_finite_scales(name: str, qtype: int, rows: np.ndarray, block_bytes: int, path: str) -> None:
