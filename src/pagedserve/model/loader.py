@@ -36,7 +36,9 @@ from torch import nn
 
 from pagedserve import envs, model_metadata
 from pagedserve.attention.backend import get_attention_backend
+from pagedserve.config import check_load_format
 from pagedserve.malloc import release_free_memory
+from pagedserve.model.dummy_weights import init_dummy_weights
 from pagedserve.model.gguf_file import open_gguf_file
 from pagedserve.model.gguf_weights import GGUF_ARCHITECTURES, dense_tensors, load_gguf_blocks, unpermute_qk
 from pagedserve.model.hf_config import HFConfig, read_config
@@ -77,10 +79,13 @@ def default_model_path() -> str:
 def load_model(path: str | None = None, device: str | torch.device = "cpu",
                dtype: torch.dtype | str = torch.float32, attn_backend: str = "reference",
                tokenizer: str | None = None, quantization: str | None = "none",
-               tp: TensorParallelGroup | None = None) -> LoadedModel:
+               tp: TensorParallelGroup | None = None, load_format: str = "auto") -> LoadedModel:
     # tokenizer: a Hugging Face tokenizer directory used instead of the model's own tokenizer.
     # quantization: --quantization (model/weight_quant.py); None picks gguf for GGUF files where it runs.
     # tp: load this rank's slice of the model (tensor parallelism); hf_config stays the whole model's.
+    # load_format: "dummy" draws random weights (model/dummy_weights.py); only config and tokenizer are read.
+    check_load_format(load_format)
+    dummy = load_format == "dummy"
     device, dtype = torch.device(device), _as_dtype(dtype)
     if tokenizer is not None:
         tokenizer = os.path.abspath(os.path.expanduser(tokenizer))
@@ -88,7 +93,8 @@ def load_model(path: str | None = None, device: str | torch.device = "cpu",
             raise ValueError(f"tokenizer path is not a directory: {tokenizer} (expected a Hugging Face "
                              "tokenizer directory with tokenizer.json)")
     source = _model_source(path)
-    is_gguf = not os.path.isdir(source)
+    # Dummy weights are dense whatever the path holds: --quantization treats them as a float checkpoint's.
+    is_gguf = not os.path.isdir(source) and not dummy
     method = resolve_quantization(quantization, is_gguf, dtype, device)
     if tp is not None and method != "none":
         # The block kernels take whole weights; a rank's slice stays dense until they learn shards.
@@ -98,8 +104,9 @@ def load_model(path: str | None = None, device: str | torch.device = "cpu",
         method = "none"
     # gguf on a GGUF file: weights come from the file's blocks, so the cache holds only config and tokenizer.
     blocks_from = source if is_gguf and method == "gguf" else None
-    model_dir, name = resolve_model_dir(source, weights=blocks_from is None)
-    loaded = _load_hf_dir(model_dir, name, device, dtype, attn_backend, tokenizer, tp, gguf_blocks=blocks_from)
+    model_dir, name = resolve_model_dir(source, weights=blocks_from is None and not dummy)
+    loaded = _load_hf_dir(model_dir, name, device, dtype, attn_backend, tokenizer, tp, gguf_blocks=blocks_from,
+                          dummy=dummy)
     apply_quantization(loaded.model, method)
     loaded.quantization = method
     release_free_memory()  # the tokenizer's parse of tokenizer.json leaves ~30 MB of freed heap resident
@@ -159,25 +166,28 @@ def _is_complete(cache_dir: str, weights: bool = True) -> bool:
 
 def _load_hf_dir(path: str, model_name: str, device: torch.device, dtype: torch.dtype,
                  attn_backend: str, tokenizer_path: str | None = None,
-                 tp: TensorParallelGroup | None = None, gguf_blocks: str | None = None) -> LoadedModel:
+                 tp: TensorParallelGroup | None = None, gguf_blocks: str | None = None,
+                 dummy: bool = False) -> LoadedModel:
     # gguf_blocks: a GGUF file whose tensors load as blocks (--quantization gguf) instead of path's weights.
+    # dummy: random weights instead of path's (--load-format dummy).
     hf_config = read_config(path)
     model_cls = get_model_class(resolve_architecture(hf_config))  # ValueError before any heavy work
     local_config = hf_config if tp is None else shard_config(hf_config, tp.world_size)  # heads must divide
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-    if not files and gguf_blocks is None:
-        raise ValueError(f"no *.safetensors weights in {path}")
+    if not files and gguf_blocks is None and not dummy:
+        raise ValueError(f"no *.safetensors weights in {path} (--load-format dummy runs random weights of its "
+                         "config's shape)")
     tokenizer = load_tokenizer(path, hf_config, tokenizer_path)
 
     backend = get_attention_backend(attn_backend, device)
+    model = model_cls(local_config, backend, device=device, dtype=dtype, tp=tp, vocab_size=hf_config.vocab_size)
     if gguf_blocks is not None:
-        model = model_cls(hf_config, backend, device=device, dtype=dtype)
         _load_gguf_blocks(model, gguf_blocks, hf_config)
+    elif dummy:
+        init_dummy_weights(model)  # with tensor parallelism each rank draws its own slice
     elif tp is None:
-        model = model_cls(hf_config, backend, device=device, dtype=dtype)
         model.load_weights(_iter_safetensors(files))
     else:
-        model = model_cls(local_config, backend, device=device, dtype=dtype, tp=tp, vocab_size=hf_config.vocab_size)
         model.load_weights(shard_weights(_iter_safetensors(files, lazy=True), tp, hf_config.vocab_size))
     return LoadedModel(model=model.eval(), hf_config=hf_config, tokenizer=tokenizer,
                        chat_template=getattr(tokenizer, "chat_template", None),
