@@ -6,6 +6,7 @@ import json
 import os
 import platform
 import random
+import time
 from dataclasses import asdict, dataclass
 
 
@@ -75,6 +76,34 @@ def machine_info() -> dict:
         "transformers": transformers.__version__,
         "pagedserve": pagedserve.__version__,
     }
+
+
+def memory_bandwidth(num_bytes: int = 1 << 30, num_threads: int = 2, repeats: int = 5) -> dict:
+    """STREAM's copy kernel with torch: the best of `repeats` copies of a num_bytes float32 array into another,
+    counted as STREAM counts it (bytes read + bytes written, no write-allocate traffic). The roofline of a decode
+    step is the bytes it must read (weights, KV) divided by this rate."""
+    import torch
+
+    saved_threads = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        src = torch.ones(num_bytes // 4, dtype=torch.float32)
+        dst = torch.empty_like(src)
+        dst.copy_(src)  # fault every page in before timing
+        best_s = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            dst.copy_(src)
+            best_s = min(best_s, time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(saved_threads)
+    return {"copy_gb_per_s": 2 * src.nbytes / best_s / 1e9, "array_bytes": src.nbytes, "num_threads": num_threads,
+            "repeats": repeats}
+
+
+def roofline_ms(bytes_per_step: int, bandwidth: dict) -> float:
+    # The shortest a step reading bytes_per_step can take at the measured copy bandwidth.
+    return bytes_per_step / (bandwidth["copy_gb_per_s"] * 1e9) * 1e3
 
 
 def engine_config_dict(engine) -> dict:

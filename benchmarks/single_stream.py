@@ -5,18 +5,27 @@ that same pair with a consumer that only timestamps each output, so a TPOT gap b
 (same GGUF, same window) is what HTTP costs, and a gap between it and `profile_step.py --single` is what the
 engine thread and the event loop cost:
 
-    python benchmarks/single_stream.py --num-requests 6 --output-len 128
+    python benchmarks/single_stream.py --num-requests 6 --output-len 128 [--model FILE.gguf]
+
+It also prints the weight-bandwidth floor: resident weight bytes (every decode step reads them all) over the
+machine's copy bandwidth measured in the same run (common.memory_bandwidth).
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
+import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import memory_bandwidth, roofline_ms  # noqa: E402
 
 from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.async_engine import AsyncLLMEngine
 from pagedserve.malloc import tune_for_serving
+from pagedserve.model.weight_quant import _weight_bytes
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -41,9 +50,12 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--num-threads", type=int, default=2)
+    p.add_argument("--model", default=None, help="GGUF file or Hugging Face directory (default: the embedded model)")
     args = p.parse_args()
+    bandwidth = memory_bandwidth(num_threads=args.num_threads)  # before the weights take the memory
     tune_for_serving()  # as `pagedserve serve` does, before the engine thread and the weights
-    config = EngineArgs(num_threads=args.num_threads, kv_cache_memory_bytes=2 << 30).create_engine_config()
+    config = EngineArgs(model=args.model, num_threads=args.num_threads,
+                        kv_cache_memory_bytes=2 << 30).create_engine_config()
     engine = AsyncLLMEngine.from_config(config)
 
     async def run() -> list[float]:
@@ -52,10 +64,14 @@ def main() -> None:
 
     try:
         tpots = asyncio.run(run())
+        weight_bytes = _weight_bytes(engine.core.loaded.model)
     finally:
         engine.shutdown()
+    floor_ms = roofline_ms(weight_bytes, bandwidth)
     print(f"single-stream TPOT through AsyncLLMEngine: p50 {statistics.median(tpots):.2f} ms "
           f"(per request: {', '.join(f'{t:.2f}' for t in tpots)})")
+    print(f"weight-bandwidth floor: {weight_bytes / 1e6:.0f} MB at {bandwidth['copy_gb_per_s']:.1f} GB/s copy = "
+          f"{floor_ms:.2f} ms per token ({floor_ms / statistics.median(tpots):.0%} of it reached)")
 
 
 if __name__ == "__main__":

@@ -15,6 +15,9 @@ logger = logging.getLogger(__name__)
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("gguf", "int8", "awq", "gptq", "compressed-tensors", "fp8", "none")
+# --load-format: "auto" reads the weights from the model path; "dummy" draws random ones of its config's shape
+# (model/dummy_weights.py), so a config.json and tokenizer files are enough.
+LOAD_FORMATS = ("auto", "dummy")
 ATTENTION_BACKENDS = ("auto", "reference", "cpu")
 # The default per-step token budget; without chunked prefill a whole prompt must fit one step, so the default
 # grows to max_model_len there (as vLLM). vLLM's CPU servers take 2048; here 512 serves better on an AMX Xeon
@@ -46,6 +49,11 @@ def json_object(value: object, what: str) -> dict:
     return value
 
 
+def check_load_format(load_format: str) -> None:
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"--load-format {load_format!r} is not supported; valid values: {', '.join(LOAD_FORMATS)}")
+
+
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
     model: str | None = None          # GGUF file or HF directory; None = embedded SmolLM2
@@ -62,11 +70,13 @@ class ModelConfig:
     # compressed-tensors / fp8 for such checkpoints) where the block kernels run, else none
     # (model/weight_quant.py). The engine stores the resolved name.
     quantization: str | None = None
+    load_format: str = "auto"  # one of LOAD_FORMATS
 
     def __post_init__(self) -> None:
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(f"--quantization {self.quantization!r} is not supported; valid values: "
                              f"{', '.join(QUANTIZATIONS)}")
+        check_load_format(self.load_format)
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.dtype not in DTYPES:

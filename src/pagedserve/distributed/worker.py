@@ -56,7 +56,8 @@ def _serve(rank: int, config: EngineConfig, init_method: str, conn: Connection) 
     runner = None
     try:
         loaded = load_model(config.model.model, device, getattr(torch, config.model.dtype),
-                            config.model.attention_backend, config.model.tokenizer, "none", tp=tp)
+                            config.model.attention_backend, config.model.tokenizer, "none", tp=tp,
+                            load_format=config.model.load_format)
     except Exception as exc:  # noqa: BLE001 (rank 0 hits the same error and reports it)
         conn.send(("error", describe(exc)))
         return

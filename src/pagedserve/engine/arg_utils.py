@@ -9,7 +9,7 @@ import argparse
 from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
-from pagedserve.config import (ATTENTION_BACKENDS, CHUNKED_PREFILL_BATCHED_TOKENS, DTYPES, QUANTIZATIONS,
+from pagedserve.config import (ATTENTION_BACKENDS, CHUNKED_PREFILL_BATCHED_TOKENS, DTYPES, LOAD_FORMATS, QUANTIZATIONS,
                                CacheConfig, DeviceConfig, EngineConfig, ModelConfig, ParallelConfig,
                                SchedulerConfig, SpeculativeConfig, StructuredOutputsConfig)
 from pagedserve.kv_dtypes import KV_CACHE_DTYPES
@@ -32,6 +32,7 @@ class EngineArgs:
     chat_template: str | None = _default(ModelConfig, "chat_template")
     attention_backend: str = _default(ModelConfig, "attention_backend")
     quantization: str | None = _default(ModelConfig, "quantization")
+    load_format: str = _default(ModelConfig, "load_format")
     block_size: int = _default(CacheConfig, "block_size")
     kv_cache_memory_bytes: int | None = _default(CacheConfig, "kv_cache_memory_bytes")
     kv_cache_fraction: float = _default(CacheConfig, "kv_cache_fraction")
@@ -72,6 +73,9 @@ class EngineArgs:
                        help="gguf: GGUF weights stay blocks (default for GGUF files); awq, gptq, "
                             "compressed-tensors, fp8: such checkpoints' weights as blocks (their default); int8: "
                             "weight-only int8 for float checkpoints; none: dequantized weights")
+        g.add_argument("--load-format", choices=LOAD_FORMATS, default=d.load_format,
+                       help="auto: the weights in --model; dummy: random weights of its config's shape (only "
+                            "config.json and the tokenizer are read), to benchmark a model without its weights")
         g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
         mem = g.add_mutually_exclusive_group()
         mem.add_argument("--kv-cache-memory", "--kv-cache-memory-bytes", dest="kv_cache_memory_bytes", type=int,
@@ -121,7 +125,7 @@ class EngineArgs:
             scheduler.check_fits(self.max_model_len)
         return EngineConfig(
             model=ModelConfig(self.model, self.tokenizer, self.max_model_len, self.dtype, self.seed,
-                              self.chat_template, self.attention_backend, self.quantization),
+                              self.chat_template, self.attention_backend, self.quantization, self.load_format),
             cache=CacheConfig(self.block_size, self.kv_cache_memory_bytes, self.kv_cache_fraction,
                               self.num_gpu_blocks_override, self.enable_prefix_caching, self.swap_space,
                               self.preemption_mode, self.kv_cache_dtype),

@@ -128,7 +128,7 @@ class EngineCore:
         t0 = time.perf_counter()
         loaded = load_model(config.model.model, device, dtype, config.model.attention_backend,
                             config.model.tokenizer, config.model.quantization,
-                            tp=self.executor.tp if self.executor else None)
+                            tp=self.executor.tp if self.executor else None, load_format=config.model.load_format)
         config = self.config = dataclasses.replace(
             config, model=dataclasses.replace(config.model, quantization=loaded.quantization))
         if self.executor:

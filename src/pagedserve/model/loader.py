@@ -39,7 +39,9 @@ from torch import nn
 
 from pagedserve import envs, model_metadata
 from pagedserve.attention.backend import get_attention_backend
+from pagedserve.config import check_load_format
 from pagedserve.malloc import release_free_memory
+from pagedserve.model.dummy_weights import init_dummy_weights
 from pagedserve.model.family import split_fused_weights
 from pagedserve.model.gguf_file import open_gguf_file
 from pagedserve.model.gguf_weights import GGUF_ARCHITECTURES, dense_tensors, load_gguf_blocks, unpermute_qk
@@ -84,10 +86,13 @@ def default_model_path() -> str:
 def load_model(path: str | None = None, device: str | torch.device = "cpu",
                dtype: torch.dtype | str = torch.float32, attn_backend: str = "reference",
                tokenizer: str | None = None, quantization: str | None = "none",
-               tp: TensorParallelGroup | None = None) -> LoadedModel:
+               tp: TensorParallelGroup | None = None, load_format: str = "auto") -> LoadedModel:
     # tokenizer: a Hugging Face tokenizer directory used instead of the model's own tokenizer.
     # quantization: --quantization (model/weight_quant.py); None picks gguf for GGUF files where it runs.
     # tp: load this rank's slice of the model (tensor parallelism); hf_config stays the whole model's.
+    # load_format: "dummy" draws random weights (model/dummy_weights.py); only config and tokenizer are read.
+    check_load_format(load_format)
+    dummy = load_format == "dummy"
     device, dtype = torch.device(device), _as_dtype(dtype)
     if tokenizer is not None:
         tokenizer = os.path.abspath(os.path.expanduser(tokenizer))
@@ -95,8 +100,10 @@ def load_model(path: str | None = None, device: str | torch.device = "cpu",
             raise ValueError(f"tokenizer path is not a directory: {tokenizer} (expected a Hugging Face "
                              "tokenizer directory with tokenizer.json)")
     source = _model_source(path)
-    is_gguf = not os.path.isdir(source)
-    scheme = None if is_gguf else checkpoint_quantization(read_config(source))  # ValueError if unsupported
+    # Dummy weights are dense whatever the path holds: --quantization treats them as a float checkpoint's.
+    is_gguf = not os.path.isdir(source) and not dummy
+    scheme = (checkpoint_quantization(read_config(source))  # ValueError if unsupported
+              if os.path.isdir(source) and not dummy else None)
     method = resolve_quantization(quantization, "gguf" if is_gguf else scheme.method if scheme else None,
                                   dtype, device)
     if tp is not None and method != "none":
@@ -107,9 +114,9 @@ def load_model(path: str | None = None, device: str | torch.device = "cpu",
         method = "none"
     # gguf on a GGUF file: weights come from the file's blocks, so the cache holds only config and tokenizer.
     blocks_from = source if is_gguf and method == "gguf" else None
-    model_dir, name = resolve_model_dir(source, weights=blocks_from is None)
+    model_dir, name = resolve_model_dir(source, weights=blocks_from is None and not dummy)
     loaded = _load_hf_dir(model_dir, name, device, dtype, attn_backend, tokenizer, tp, gguf_blocks=blocks_from,
-                          hf_quant=scheme, hf_blocks=method != "none")
+                          hf_quant=scheme, hf_blocks=method != "none", dummy=dummy)
     apply_quantization(loaded.model, method)
     loaded.quantization = method
     release_free_memory()  # the tokenizer's parse of tokenizer.json leaves ~30 MB of freed heap resident
@@ -170,24 +177,26 @@ def _is_complete(cache_dir: str, weights: bool = True) -> bool:
 def _load_hf_dir(path: str, model_name: str, device: torch.device, dtype: torch.dtype,
                  attn_backend: str, tokenizer_path: str | None = None,
                  tp: TensorParallelGroup | None = None, gguf_blocks: str | None = None,
-                 hf_quant: HFQuantScheme | None = None, hf_blocks: bool = False) -> LoadedModel:
+                 hf_quant: HFQuantScheme | None = None, hf_blocks: bool = False, dummy: bool = False) -> LoadedModel:
     # gguf_blocks: a GGUF file whose tensors load as blocks (--quantization gguf) instead of path's weights.
     # hf_quant: how path's checkpoint is quantized (model/hf_quant.py); hf_blocks: load it as blocks, not
-    # dequantized.
+    # dequantized. dummy: random weights instead of path's (--load-format dummy).
     hf_config = read_config(path)
     model_cls = get_model_class(resolve_architecture(hf_config))  # ValueError before any heavy work
     local_config = hf_config if tp is None else shard_config(hf_config, tp.world_size)  # heads must divide
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-    if not files and gguf_blocks is None:
-        raise ValueError(f"no *.safetensors weights in {path}")
+    if not files and gguf_blocks is None and not dummy:
+        raise ValueError(f"no *.safetensors weights in {path} (--load-format dummy runs random weights of its "
+                         "config's shape)")
     tokenizer = load_tokenizer(path, hf_config, tokenizer_path)
 
     backend = get_attention_backend(attn_backend, device)
+    model = model_cls(local_config, backend, device=device, dtype=dtype, tp=tp, vocab_size=hf_config.vocab_size)
     if gguf_blocks is not None:
-        model = model_cls(hf_config, backend, device=device, dtype=dtype)
         _load_gguf_blocks(model, gguf_blocks, hf_config)
+    elif dummy:
+        init_dummy_weights(model)  # with tensor parallelism each rank draws its own slice
     elif tp is None:
-        model = model_cls(hf_config, backend, device=device, dtype=dtype)
         if hf_quant is not None and hf_blocks:
             load_quantized_checkpoint(model, _iter_safetensors(files), hf_quant)
         elif hf_quant is not None:
@@ -195,7 +204,6 @@ def _load_hf_dir(path: str, model_name: str, device: torch.device, dtype: torch.
         else:
             model.load_weights(_iter_safetensors(files))
     else:
-        model = model_cls(local_config, backend, device=device, dtype=dtype, tp=tp, vocab_size=hf_config.vocab_size)
         weights = (_iter_safetensors(files, lazy=True) if hf_quant is None
                    else dequantized_checkpoint(_iter_safetensors(files), hf_quant))
         # Fused checkpoint tensors (Phi-3) are split by the full model's sizes before each rank takes its rows.
