@@ -22,7 +22,7 @@
 //   So the results differ from dequant_gguf(W) @ x only by the order and grouping of the float32 sums;
 //   - every rebuilt weight vector is multiplied into all MR rows of x at once (x stays in L1), into
 //     R x MR independent accumulators: R weight rows at a time hide the FMA latency even for one row of x;
-//   - each block's bytes are prefetched ahead of where the tile reads (8 KB for up to 4 rows of x).
+//   - each row's blocks are prefetched ahead of where the tile reads them (4 KB for up to 4 rows of x).
 // bf16 x is widened to float32 once per call by gguf_gemm.cpp, not per weight row.
 #pragma once
 
@@ -52,20 +52,31 @@ struct Args {
   void* y;            // [m, n] float or c10::BFloat16, contiguous
 };
 
-// Prefetch distance: the bytes a tile reads lie back to back (its R rows), so prefetching each block's
-// R * B bytes some distance ahead sweeps what comes next, across tile boundaries. The hardware prefetchers
-// alone leave a single thread ~1.4x slower. For up to 4 rows of x, 8 KB ahead measured 5-10% faster than
-// one tile ahead (1.4-3.8 KB here); for more rows x fills L1 (8 rows of 1536 floats: 48 KB) and lines
-// fetched 8 KB early are evicted before use (1.1-1.6x slower), so those prefetch one tile ahead.
-constexpr int64_t kAhead = 8192;
+// Prefetch distance: each of a tile's R rows is prefetched some distance ahead of where it is read, within
+// the row; past the row's end the same distance lands in the same row of the next tile (R rows on), so rows
+// of any length are covered (a sweep over the tile's R * row_bytes as one range, as before, fell behind the
+// reads of its later rows once a row passed ~2 KB: Llama-1B's down_proj, 8,192 inputs, read at 0.5-0.8x the
+// GB/s of the 2,048-input shapes). The hardware prefetchers alone leave a single thread ~1.4x slower. For up
+// to 4 rows of x, 4 KB ahead per row; for more rows x fills L1 (8 rows of 1536 floats: 48 KB) and lines
+// fetched early are evicted before use (1.1-1.6x slower), so those prefetch one tile ahead. (kAhead: the
+// distance gguf_amx.cpp's rebuild prefetches at.)
+constexpr int64_t kAhead = 8192, kAheadPerRow = 4096;
 
 template <int R, int MR>
 inline int64_t ahead(const Args& a) {
-  return MR <= 4 ? kAhead : R * a.row_bytes;
+  return MR <= 4 ? kAheadPerRow : a.row_bytes;
 }
 
 inline void prefetch(const uint8_t* p, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(reinterpret_cast<const char*>(p + off), _MM_HINT_T0);
+}
+
+// The `bytes` at `offset` of each of the R rows from `row`, `distance` ahead (see kAheadPerRow).
+template <int R>
+inline void prefetch_rows(const uint8_t* row, int64_t row_bytes, int64_t offset, int64_t bytes, int64_t distance) {
+  const int64_t at = offset + distance;
+  const uint8_t* first = row + (at < row_bytes ? at : at + (R - 1) * row_bytes);
+  for (int i = 0; i < R; ++i) prefetch(first + i * row_bytes, bytes);
 }
 
 #if defined(__AVX512F__)
@@ -130,7 +141,7 @@ inline void rows_table(const Args& a, const uint8_t* row, const float* x, Vec (&
     for (int i = 0; i < R; ++i) scales<T>(row + i * a.row_bytes + c * B, count, d[i], m[i]);
     for (int64_t j = 0; j < count; ++j) {
       const int64_t b = c + j;
-      prefetch(row + distance + b * R * B, R * B);
+      prefetch_rows<R>(row, a.row_bytes, b * B, B, distance);
       for (int i = 0; i < R; ++i)
         block<T, MR>(row + i * a.row_bytes + b * B, d[i][j], T == kQ4_1 ? m[i][j] : 0.f, x + 32 * b, a.x_stride,
                      acc[i]);
@@ -146,7 +157,7 @@ inline void rows_unpacked(const Args& a, const uint8_t* row, const float* x, Vec
   constexpr int64_t E = Format<T>::kElems, B = Format<T>::kBytes;
   const int64_t distance = ahead<R, MR>(a);
   for (int64_t b = 0; b < a.k / E; ++b) {
-    prefetch(row + distance + b * R * B, R * B);
+    prefetch_rows<R>(row, a.row_bytes, b * B, B, distance);
     for (int i = 0; i < R; ++i) {
       const Rebuild<T> blk(row + i * a.row_bytes + b * B);
 #pragma GCC unroll 8
