@@ -1,0 +1,115 @@
+"""pagedserve against llama.cpp's llama-server on the same GGUF of a real shape (1B-8B, k-quants), in one run.
+
+The models come from benchmarks/build_models.py (random weights of Llama-3.2-1B/3B and Qwen2.5-1.5B shapes,
+quantized by llama.cpp's own llama-quantize). Both servers are started here, with the same thread count, and
+every workload runs against each in turn (so drift in machine load hits both):
+
+    python benchmarks/real_models.py --gguf /work/models/llama-3.2-1b-Q4_K_M.gguf \
+        --llama-server /work/tools/llama.cpp/build/bin/llama-server --out benchmarks/results/real_1b_q4km.json
+
+Workloads: `single` (one stream, TPOT), `streams16` (32 requests, prompts 64-512 words, outputs 16-128, 16 in
+flight) and `shared` (a 1,000-word system prompt shared by 32 requests, 8 in flight). Each row also reports the
+roofline: the bytes one decode step must read (every weight that multiplies, plus the KV of the context) over
+the memory bandwidth this run measured (common.memory_bandwidth), as a floor for time per output token.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+from common import machine_info, memory_bandwidth, roofline_ms, write_json
+from serving import Server, free_port
+
+WORKLOADS = {
+    "single": ["--num-prompts", "6", "--input-len", "64", "--output-len", "64", "--concurrency", "1"],
+    "streams16": ["--num-prompts", "32", "--input-len", "64-512", "--output-len", "16-128", "--concurrency", "16"],
+    "shared": ["--num-prompts", "32", "--input-len", "16-64", "--output-len", "64", "--shared-prefix-len", "1000",
+               "--concurrency", "8"],
+}
+
+
+def decode_bytes(gguf_path: str, context: int, kv_bytes_per_value: int) -> dict:
+    # Bytes one decode step reads: every 2-D weight that multiplies (the token embedding only when it is also
+    # the LM head, i.e. tied) and K and V of `context` tokens in every layer.
+    from gguf import GGUFReader
+
+    r = GGUFReader(gguf_path)
+    names = {t.name for t in r.tensors}
+    tied = "output.weight" not in names
+    weights = sum(int(t.n_bytes) for t in r.tensors
+                  if len(t.shape) == 2 and (t.name != "token_embd.weight" or tied))
+    arch = bytes(r.fields["general.architecture"].parts[-1]).decode()
+
+    def field(key: str) -> int:
+        f = r.fields[f"{arch}.{key}"]
+        return int(f.parts[f.data[0]][0])
+
+    layers, heads, kv_heads = field("block_count"), field("attention.head_count"), field("attention.head_count_kv")
+    head_dim = field("embedding_length") // heads
+    kv = 2 * layers * kv_heads * head_dim * context * kv_bytes_per_value
+    return {"weight_bytes": weights, "kv_bytes": kv, "tied_embeddings": tied}
+
+
+def run_workload(name: str, urls: list[str], labels: list[str], out_dir: str) -> dict:
+    out = os.path.join(out_dir, f"{name}.json")
+    cmd = [sys.executable, "-m", "pagedserve.cli", "bench", "serve", *WORKLOADS[name], "--warmup", "2",
+           "--words-variant", "0", "--no-progress", "--out", out]
+    for url, label in zip(urls, labels):
+        cmd += ["--base-url", url, "--label", label]
+    subprocess.run(cmd, check=True)
+    with open(out, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--gguf", required=True)
+    p.add_argument("--llama-server", default=None, help="llama.cpp's llama-server binary (omit: pagedserve alone)")
+    p.add_argument("--num-threads", type=int, default=2)
+    p.add_argument("--dtype", default="auto", help="pagedserve's --dtype (default auto)")
+    p.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--kv-cache-memory", type=int, default=2 << 30)
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    report = {"machine": machine_info(), "gguf": os.path.abspath(args.gguf),
+              "gguf_bytes": os.path.getsize(args.gguf), "workloads": {}}
+    report["memory_bandwidth"] = memory_bandwidth(num_threads=args.num_threads)
+    specs = {"pagedserve": [sys.executable, "-m", "pagedserve.cli", "serve", "--model", args.gguf, "--dtype",
+                            args.dtype, "--num-threads", str(args.num_threads), "--max-model-len",
+                            str(args.max_model_len), "--kv-cache-memory", str(args.kv_cache_memory),
+                            "--uvicorn-log-level", "warning"]}
+    if args.llama_server:
+        specs["llama.cpp"] = [args.llama_server, "-m", args.gguf, "-t", str(args.num_threads), "-tb",
+                              str(args.num_threads), "-np", "16", "-c", str(16 * args.max_model_len),
+                              "--host", "127.0.0.1"]
+    report["servers"] = {name: " ".join(cmd[1:]) for name, cmd in specs.items()}
+    servers = []
+    try:
+        for name, cmd in specs.items():
+            port = free_port()
+            servers.append(Server(name, [*cmd, "--port", str(port)], port, startup_timeout_s=900.0))
+        urls, labels = [s.url for s in servers], [s.name for s in servers]
+        with tempfile.TemporaryDirectory() as tmp:
+            for name in args.workloads:
+                report["workloads"][name] = run_workload(name, urls, labels, tmp)
+                write_json(args.out, report)
+    finally:
+        for s in servers:
+            s.stop()
+    kv_value_bytes = 2 if args.dtype in ("auto", "bfloat16") else 4
+    floor = decode_bytes(args.gguf, 64 + 32, kv_value_bytes)  # the single-stream workload's mean context
+    floor["tpot_floor_ms"] = roofline_ms(floor["weight_bytes"] + floor["kv_bytes"], report["memory_bandwidth"])
+    report["roofline_single"] = floor
+    report["machine"]["load_avg_1_5_15_at_end"] = list(os.getloadavg())
+    write_json(args.out, report)
+    print(json.dumps({"roofline_single": floor}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
