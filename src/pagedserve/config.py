@@ -21,7 +21,7 @@ LOAD_FORMATS = ("auto", "dummy")
 ATTENTION_BACKENDS = ("auto", "reference", "cpu")
 # The default per-step token budget; without chunked prefill a whole prompt must fit one step, so the default
 # grows to max_model_len there (as vLLM). vLLM's CPU servers take 2048; here 512 serves better on an AMX Xeon
-# (bf16, 2 threads, benchmarks/README.md "Token budget"): 16 streams over HTTP, two runs in swapped order, 512
+# (bf16, 2 threads, benchmarks/HISTORY.md "Token budget"): 16 streams over HTTP, two runs in swapped order, 512
 # gave 1.13x and 1.15x the output tokens/s of 2048 (TPOT p50 0.87-0.89x: decodes share shorter steps). An
 # offline burst alone prefills 1.9x faster with 2048 (above 512 rows the GGUF blocks go to oneDNN's AMX GEMM
 # on dequantized tiles): batch jobs may want --max-num-batched-tokens 2048.
@@ -29,7 +29,7 @@ CHUNKED_PREFILL_BATCHED_TOKENS = 512
 # The offline LLM's default (vLLM too gives its LLM class a larger budget than its server): nobody waits on a
 # token there, and a burst of 16 prompts prefilled 1.9x faster with 2048 than with 512 (interleaved rounds,
 # benchmarks/token_budget.py); the 64-request offline workload measured 358 vs 279 and 297 vs 293 output tok/s
-# in two pairs of runs (benchmarks/README.md "Token budget").
+# in two pairs of runs (benchmarks/HISTORY.md "Token budget").
 OFFLINE_BATCHED_TOKENS = 2048
 
 
@@ -162,7 +162,7 @@ SPECULATIVE_METHODS = ("ngram", "draft_model")
 # paying once the batch alone keeps the matrix units busy (each request's k drafts then cost nearly k decode
 # tokens of verify compute). n-gram lookup is free, so only the verify grows; a draft model also runs k
 # passes of its own per step, which grow with the batch, so it stops paying at a smaller batch.
-# benchmarks/speculative.py's batch-size sweep (benchmarks/README.md, "Speculative decoding: batch-size
+# benchmarks/speculative.py's batch-size sweep (benchmarks/HISTORY.md, "Speculative decoding: batch-size
 # sweep"; AMX Xeon, k = 4, full-precision bf16 target, off/on TPOT): n-gram 2.0-2.4x at 1 stream, still
 # 1.17-1.38x at 16 streams, 0.86x at 32; the embedded GGUF as its own draft 1.1-1.5x at 1 stream, 1.15-1.24x
 # at 2, 0.93-0.985x at 4, 0.48-0.75x at 16. Cheaper draft kernels or a smaller draft would move its cut-off up.

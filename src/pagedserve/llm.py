@@ -75,7 +75,7 @@ class LLM:
         engine = self.llm_engine
         if threading.get_ident() != self._thread_id and not self._warned_thread:
             # On CPU a second thread gets its own OpenMP team; libgomp then throttles spin-waiting for both and
-            # decode runs about 2x slower (benchmarks/README.md, "Threading fix").
+            # decode runs about 2x slower (benchmarks/HISTORY.md, "Threading fix").
             self._warned_thread = True
             logger.warning("LLM.generate runs on a different thread than the one that built the LLM; on CPU "
                            "this can halve decode speed. Build the LLM on the thread that generates.")

@@ -6,7 +6,7 @@ tokenizer with transformers' GGUF support adds ~26 MB more (gguf-py's parse of t
 per model, on the first start with an empty cache (model/hf_config.py, model/loader.py); in the serving
 process they would stay for its whole life: Python never unloads a module, and the freed heap stays
 fragmented. Here they run in `python -m pagedserve.model_metadata` and end with it (issue 11,
-benchmarks/README.md "memory.py": first start 512 -> 431 MB after two requests).
+benchmarks/HISTORY.md "memory.py": first start 512 -> 431 MB after two requests).
 
     config PATH                   print AutoConfig.from_pretrained(PATH).to_dict() as JSON
     gguf FILE OUT_DIR             save FILE's config and tokenizer as transformers reads them into OUT_DIR

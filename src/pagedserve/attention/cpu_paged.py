@@ -2,10 +2,10 @@
 
 One kernel call per layer writes this step's K/V and attends every sequence, decode and prefill chunks
 alike (kernels/csrc/paged_attention.cpp). Measured against the reference backend's gather + SDPA on one
-core (benchmarks/README.md, "Profile"): decode 5-10x faster, prefill chunks of 16-512 tokens 1.2-2x, so
+core (benchmarks/HISTORY.md, "Profile"): decode 5-10x faster, prefill chunks of 16-512 tokens 1.2-2x, so
 by default nothing goes to SDPA. max_kernel_q_len >= 0 sends longer chunks to the reference's per-sequence
 SDPA instead (kept for other CPUs where torch's GEMM-based SDPA may win on long chunks). On CPUs with AMX the
-bf16 prefill tiles run on AMX tiles: 3-3.7x the AVX-512 tiles (benchmarks/README.md, "AMX prefill attention").
+bf16 prefill tiles run on AMX tiles: 3-3.7x the AVX-512 tiles (benchmarks/HISTORY.md, "AMX prefill attention").
 
 The kernel takes float32 or bfloat16 activations and reads float32, bfloat16, int8 and fp8 e4m3 caches
 directly (8-bit rows are quantized as they are written and dequantized in the kernel, with kv_quant.py's row

@@ -2,7 +2,7 @@
 
 `AutoConfig.from_pretrained` imports the architecture's configuration module, and through it transformers'
 modeling stack (activations, accelerate, sympy): about 60 MB of resident memory a server keeps for reading a
-few dozen numbers (issue 11, benchmarks/README.md "memory.py"). The numbers themselves still come from
+few dozen numbers (issue 11, benchmarks/HISTORY.md "memory.py"). The numbers themselves still come from
 transformers, once: the first read of a config.json resolves it with AutoConfig (each architecture's
 defaults, renamed and derived fields such as rope_parameters or layer_types) and stores `to_dict()` under
 the cache; later reads load that JSON into an `HFConfig`. That first read runs AutoConfig in a child process

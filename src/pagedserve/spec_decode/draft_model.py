@@ -49,7 +49,7 @@ def draft_dtype(spec: SpeculativeConfig, target_dtype: torch.dtype) -> torch.dty
 def load_draft(spec: SpeculativeConfig, device: torch.device, dtype: torch.dtype, attn_backend: str,
                tokenizer: str | None) -> LoadedModel:
     # "int8" on a GGUF file: dense fp32 first, then every weight requantized to Q8_0 blocks. On CPUs where
-    # the Q8_0 kernel is much faster than Q4_1's (AVX2 without AVX-512: benchmarks/README.md, "Speculative
+    # the Q8_0 kernel is much faster than Q4_1's (AVX2 without AVX-512: benchmarks/HISTORY.md, "Speculative
     # decoding") this is a self-draft several times cheaper than the target it approximates.
     requantize = spec.quantization == "int8" and not os.path.isdir(os.path.expanduser(spec.model))
     loaded = load_model(spec.model, device, dtype, attn_backend, tokenizer,

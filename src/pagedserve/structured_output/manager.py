@@ -5,7 +5,7 @@
 
 Only rows with a matcher are masked; the others cost nothing. Per step: one preallocated int32 bitmask
 [max_num_seqs, ceil(V / 32)], each constrained row filled by its matcher in C++, then one call of xgrammar's CPU
-kernel over the listed rows. No Python loop touches the vocabulary. Measured (benchmarks/README.md): fill +
+kernel over the listed rows. No Python loop touches the vocabulary. Measured (benchmarks/HISTORY.md): fill +
 apply + accept are about 0.6% of a 16-sequence decode step's engine-thread CPU time.
 rollback / validate_tokens are the hooks for speculative decoding: draft tokens are checked against the grammar
 and rejected ones are undone.

@@ -2,7 +2,7 @@
 
 At decode batch sizes each layer is ~10 op calls of a few microseconds each, and the Python around them
 (module calls, dtype and layout checks, splits and views) cost more than the ops: on the embedded 30-layer
-model ~6 ms of a ~17 ms one-stream decode step on the Xeon of benchmarks/README.md. The compiled loop calls
+model ~6 ms of a ~17 ms one-stream decode step on the Xeon of benchmarks/HISTORY.md. The compiled loop calls
 the same ops in the same order, so its output is bit-identical to the modules' (tests/model/test_decoder_stack.py).
 
 It serves the common case and leaves everything else to the modules: every linear holds GGUF blocks in their

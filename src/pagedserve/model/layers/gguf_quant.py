@@ -41,7 +41,7 @@ TILE_BYTES = 8 << 20
 AMX_TYPES = (3, 8)
 # The rows of x up to which gemm_gguf's vectorized decode kernel (every type, every build but baseline) beats,
 # for bf16 x, gemm_gguf_amx and, for float32 x, dequantized float32 tiles + torch's GEMM (measured on the
-# embedded model's shapes, weights cold: benchmarks/README.md, "Decode block GEMM", benchmarks/gguf_gemv.py).
+# embedded model's shapes, weights cold: benchmarks/HISTORY.md, "Decode block GEMM", benchmarks/gguf_gemv.py).
 DECODE_MAX_ROWS_AMX = 4
 DECODE_MAX_ROWS = 64
 # The baseline build's portable loop (no vectorized decode kernel) wins up to this many rows of x.

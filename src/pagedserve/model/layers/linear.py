@@ -8,7 +8,7 @@
 - CUDA, other dtypes and builds without oneDNN or the compiled kernels keep F.linear.
 
 The dense parameter stays the source of truth: load_weights writes it, then packs again. Measurements:
-benchmarks/README.md, "Profile".
+benchmarks/HISTORY.md, "Profile".
 """
 from __future__ import annotations
 
