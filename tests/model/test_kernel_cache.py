@@ -15,6 +15,14 @@ import pytest
 from pagedserve import kernels
 
 
+def _replace(path: str, data: bytes) -> None:
+    # A new file under the old name: the loaded library's pages stay mapped from the old one (rewriting a
+    # dlopen-ed file in place crashes this process at exit, when the loader runs the library's finalizers).
+    os.remove(path)
+    with open(path, "wb") as f:
+        f.write(data)
+
+
 @pytest.fixture
 def tiny_library(tmp_path) -> str:
     # A real shared library (nothing in it): what torch.ops.load_library dlopens.
@@ -30,7 +38,7 @@ def test_only_a_library_that_hashes_as_built_is_loaded(tiny_library, caplog):
     assert kernels._load_built(tiny_library)
     data = open(tiny_library, "rb").read()
     for changed in (data[:len(data) // 2], data[:-1] + bytes([data[-1] ^ 1])):  # truncated, overwritten
-        open(tiny_library, "wb").write(changed)
+        _replace(tiny_library, changed)
         with caplog.at_level(logging.WARNING, logger="pagedserve.kernels"):
             assert not kernels._load_built(tiny_library)  # refused before dlopen could crash the process
         assert f"{tiny_library} differs from the library that was built there" in caplog.text
@@ -41,7 +49,7 @@ def test_a_build_without_a_recorded_hash_is_checked_in_a_child(tiny_library):
     assert open(f"{tiny_library}.sha256").read() == kernels._library_hash(tiny_library)
     os.remove(f"{tiny_library}.sha256")
     data = open(tiny_library, "rb").read()
-    open(tiny_library, "wb").write(data[:len(data) // 3])
+    _replace(tiny_library, data[:len(data) // 3])
     assert not kernels._load_built(tiny_library)  # the child failed (or crashed), this process goes on
     assert not os.path.exists(f"{tiny_library}.sha256")
 
