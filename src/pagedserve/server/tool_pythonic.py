@@ -14,7 +14,7 @@ import json
 import re
 from dataclasses import dataclass, field
 
-from pagedserve.server.tool_scanner import CallEvent
+from pagedserve.server.tool_scanner import CallEvent, emit_arguments
 
 # Llama 4 wraps the list in these when special tokens are kept in the text.
 PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"
@@ -117,7 +117,7 @@ class PythonicScanner:
         if self.state == "arguments":
             stripped = rest.lstrip()
             if stripped.startswith(")"):
-                self._emit("}" if self.arguments[-1] else "{}", events)
+                emit_arguments(self.arguments, "}" if self.arguments[-1] else "{}", events)
                 self.pos += len(rest) - len(stripped) + 1
                 self.state = "after_call"
                 return True
@@ -139,7 +139,7 @@ class PythonicScanner:
         if value is None:
             return self._fail()
         opener = ", " if self.arguments[-1] else "{"
-        self._emit(f"{opener}{json.dumps(self.keyword, ensure_ascii=False)}: {value}", events)
+        emit_arguments(self.arguments, f"{opener}{json.dumps(self.keyword, ensure_ascii=False)}: {value}", events)
         self.pos += end + (rest[end] == ",")
         self.state = "arguments"
         return True
@@ -153,14 +153,6 @@ class PythonicScanner:
     def _fail(self) -> bool:
         self.state = "invalid"
         return False
-
-    def _emit(self, piece: str, events: list[CallEvent]) -> None:
-        index = len(self.names) - 1
-        self.arguments[index] += piece
-        if events and events[-1].index == index:
-            events[-1].arguments += piece
-        else:
-            events.append(CallEvent(index, arguments=piece))
 
 
 def _value_end(text: str) -> int | None:

@@ -48,6 +48,16 @@ class CallEvent:
     arguments: str = ""      # the next piece of the call's arguments text
 
 
+def emit_arguments(arguments: list[str], piece: str, events: list[CallEvent]) -> None:
+    # The last call's arguments text grows by `piece`; pieces of one call within one feed merge into one event.
+    index = len(arguments) - 1
+    arguments[index] += piece
+    if events and events[-1].index == index:
+        events[-1].arguments += piece
+    else:
+        events.append(CallEvent(index, arguments=piece))
+
+
 @dataclass(slots=True)
 class CallScanner:
     syntax: CallSyntax = ARRAY
@@ -133,7 +143,7 @@ class CallScanner:
             if self.state != "invalid":
                 self._step(ch, events)
             return
-        self._emit(ch, events)
+        emit_arguments(self.arguments, ch, events)
         if self.in_string:
             if self.escaped:
                 self.escaped = False
@@ -160,10 +170,3 @@ class CallScanner:
             return
         self.state, self.gap = ("tail", "") if self.syntax.in_object else ("gap", "")
 
-    def _emit(self, ch: str, events: list[CallEvent]) -> None:
-        index = len(self.names) - 1
-        self.arguments[index] += ch
-        if events and events[-1].index == index:
-            events[-1].arguments += ch
-        else:
-            events.append(CallEvent(index, arguments=ch))
