@@ -111,3 +111,23 @@ def test_seeded_requests_are_reproducible_whatever_the_batch():
 
     runs = [[one(seed, mates) for seed in range(30)] for mates in (0, 3)]
     assert runs[0] == runs[1]
+
+
+def test_a_draft_equal_to_the_target_is_always_accepted_in_bf16():
+    # A bf16 model: the target's logits are bf16, the draft's q rows float32 (random_probs of the same logits).
+    # With q == p every draft is accepted; rounding q to bf16 before the ratio rejected 5 of these 2,000.
+    from pagedserve.sample.sampler import SamplingBatch, SamplingRow
+    from pagedserve.sampling_params import SamplingParams
+    from pagedserve.worker.model_runner import verify_output
+
+    num, vocab = 2_000, 8
+    gen = torch.Generator().manual_seed(3)
+    logits = (torch.randn(num, 2, vocab, generator=gen) * 2).to(torch.bfloat16)
+    drafts = torch.multinomial(logits[:, 0].float().softmax(-1), 1, generator=gen).squeeze(1).tolist()
+    params = SamplingParams(temperature=1.0, seed=0)
+    rows = [SamplingRow(params, [0], [0] * j, gen) for _ in range(num) for j in range(2)]
+    batch = SamplingBatch.build(rows, vocab, torch.device("cpu"))
+    q = logits[:, 0].float().softmax(-1)
+    out = verify_output([str(i) for i in range(num)], [[d] for d in drafts], logits.reshape(2 * num, vocab),
+                        batch, None, q)
+    assert [len(a) for a in out.spec.accepted_token_ids] == [1] * num

@@ -56,6 +56,12 @@ def verify_drafts(probs: torch.Tensor, draft_token_ids: list[list[int]], is_gree
     request, [sum(k_i), V]; None for one-hot drafts. generators: one per request.
     """
     device = probs.device
+    # Acceptance compares p(d) with q(d) and the residual subtracts them: both in at least float32 whatever
+    # the model's dtype, or a draft equal to the target would be rejected by the rounding of a bf16 q alone.
+    dtype = torch.promote_types(probs.dtype, torch.float32)
+    probs = probs.to(dtype)
+    if draft_probs is not None:
+        draft_probs = draft_probs.to(dtype)
     num_drafts = [len(d) for d in draft_token_ids]
     starts = [0]
     for k in num_drafts:

@@ -224,8 +224,6 @@ def verify_output(req_ids: list[str], drafts: list[list[int]], logits: torch.Ten
     # step puts its sampled one.
     starts = np.cumsum([0] + [len(d) + 1 for d in drafts[:-1]])
     gens = [batch.generators[s] for s in starts]
-    if draft_probs is not None:
-        draft_probs = draft_probs.to(logits.dtype)
     v = rejection_sample(logits, batch, drafts, gens, draft_probs)
     out = ModelRunnerOutput(req_ids, v.sampled_token_ids, prompt_logprobs=prompt_logprobs,
                             spec=SpecDecodeOutput(v.accepted_token_ids, [len(d) for d in drafts]))
