@@ -15,6 +15,7 @@ from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from pagedserve.core.kv_events import TierEvents
 from pagedserve.core.kv_residency import BlockTrack, ResidencySampler
 
 BlockHash = bytes
@@ -71,6 +72,9 @@ class BlockPool:
         self.num_shared_blocks = 0  # blocks with ref_cnt > 1, kept incrementally for metrics
         # Residency is about what the prefix cache keeps; the host swap pool (no caching) is not sampled.
         self.residency = ResidencySampler() if enable_caching else None
+        # Set when KV events are on: every hash this pool gains (through KVCacheManager.cache_blocks, which
+        # knows the tokens) or loses is reported, in order.
+        self.events: TierEvents | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -97,6 +101,8 @@ class BlockPool:
         if block.block_hash is not None:
             if self.cached.get(block.block_hash) is block:
                 del self.cached[block.block_hash]
+            if self.events is not None:
+                self.events.removed([block.block_hash])
             block.block_hash = None
             self.num_evictions += 1
 
@@ -125,14 +131,16 @@ class BlockPool:
     def lookup(self, block_hash: BlockHash) -> KVBlock | None:
         return self.cached.get(block_hash)
 
-    def cache(self, block: KVBlock, block_hash: BlockHash) -> None:
+    def cache(self, block: KVBlock, block_hash: BlockHash) -> bool:
         # A full block becomes findable by its hash. If an equal block is already cached, keep that one.
+        # True when this call added the hash (the caller reports it as stored).
         if not self.enable_caching or block.block_hash is not None:
-            return
+            return False
         if block_hash in self.cached:
-            return
+            return False
         block.block_hash = block_hash
         self.cached[block_hash] = block
+        return True
 
     def reset_prefix_cache(self) -> bool:
         if len(self.free_queue) != self.num_blocks:
@@ -140,4 +148,6 @@ class BlockPool:
         for block in self.blocks:
             block.block_hash = None
         self.cached.clear()
+        if self.events is not None:
+            self.events.cleared()
         return True

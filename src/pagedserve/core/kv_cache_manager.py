@@ -15,9 +15,11 @@ Swapping moves a preempted request's blocks to a host pool and back; the copies 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import groupby
 
 from pagedserve.core.block_pool import (PROCESS_HASH_ROOT, BlockHash, BlockPool, KVBlock, hash_block_tokens,
                                         salt_key)
+from pagedserve.core.kv_events import MEDIUM_GPU, KVEventCollector
 from pagedserve.core.request import Request
 
 
@@ -44,11 +46,16 @@ class BlockOps:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 num_host_blocks: int = 0, hash_root: BlockHash | None = None) -> None:
+                 num_host_blocks: int = 0, hash_root: BlockHash | None = None,
+                 kv_events: KVEventCollector | None = None) -> None:
         self.block_size = block_size
         self.hash_root = PROCESS_HASH_ROOT if hash_root is None else hash_root
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
+        # Other tiers (disk) record into the same collector, so consumers see one ordered stream.
+        self.kv_events = kv_events
+        if kv_events is not None:
+            self.pool.events = kv_events.tier(MEDIUM_GPU)
         self.host_pool = BlockPool(num_host_blocks, False) if num_host_blocks else None
         self.swapped: dict[str, list[KVBlock]] = {}
         self._ops = BlockOps([], [], [])
@@ -178,9 +185,23 @@ class KVCacheManager:
             return
         hashes = self._block_hashes(req, num_full)
         blocks = self.req_blocks[req.req_id]
-        for i in range(start, num_full):
-            self.pool.cache(blocks[i], hashes[i])
+        added = [self.pool.cache(blocks[i], hashes[i]) for i in range(start, num_full)]
+        if self.pool.events is not None:
+            self._report_stored(req, hashes, start, added)
         self.num_cached_blocks[req.req_id] = num_full
+
+    def _report_stored(self, req: Request, hashes: list[BlockHash], start: int, added: list[bool]) -> None:
+        # One BlockStored per run of blocks this call added; a block whose hash another block already holds
+        # (two requests computed the same prefix at once) was not added, and its run ends there.
+        bs = self.block_size
+        salt_keys = None if req.cache_salt is None else (req.cache_salt,)
+        for was_added, run in groupby(range(start, start + len(added)), key=lambda k: added[k - start]):
+            if not was_added:
+                continue
+            run = list(run)
+            i, j = run[0], run[-1] + 1
+            self.pool.events.stored(hashes[i:j], hashes[i - 1] if i else None, req.all_token_ids[i * bs:j * bs],
+                                    [salt_keys if k == 0 else None for k in run])
 
     def free(self, req: Request, finished: bool = True) -> None:
         blocks = self.req_blocks.pop(req.req_id, [])
