@@ -13,6 +13,7 @@ import time
 import httpx
 import pytest
 
+from pagedserve.server.middleware import DASHBOARD_COOKIE, DASHBOARD_SESSION_S, make_session_token
 from tests.server.helpers import ServerProcess, metric, scrape
 
 KEY = "dashboard-test-key"
@@ -57,7 +58,9 @@ def test_the_page_and_the_snapshot_need_the_key(srv):
     login = httpx.post(f"{url}/dashboard/login", data={"key": KEY}, timeout=10)
     assert login.status_code == 303 and login.headers["location"] == "/dashboard"
     cookie = login.headers["set-cookie"].lower()
-    assert "httponly" in cookie and "samesite=strict" in cookie
+    assert "httponly" in cookie and "samesite=strict" in cookie and f"max-age={DASHBOARD_SESSION_S}" in cookie
+    assert "secure" not in cookie  # plain http: a Secure cookie would never come back
+    assert KEY not in login.headers["set-cookie"]
     with httpx.Client(base_url=url, cookies=login.cookies, timeout=10) as browser:
         assert 'id="grid"' in browser.get("/dashboard").text
         assert browser.get("/dashboard/style.css").headers["content-type"].startswith("text/css")
@@ -65,6 +68,22 @@ def test_the_page_and_the_snapshot_need_the_key(srv):
         assert (snap["num_blocks"], snap["block_size"], len(snap["blocks"])) == (NUM_BLOCKS, 16, NUM_BLOCKS)
         # The cookie opens the dashboard's GETs only, never the API.
         assert browser.get("/v1/models").status_code == 401
+
+
+def test_the_session_cookie_expires_and_is_bound_to_the_key(srv):
+    expired = make_session_token(KEY, now=time.time() - DASHBOARD_SESSION_S - 1)
+    other_key = make_session_token("another-key")
+    expires, _, mac = make_session_token(KEY).partition(".")
+    extended = f"{int(expires) + 10 ** 6}.{mac}"  # a later expiry under the same signature
+    for token in (expired, other_key, extended, KEY, "", "garbage"):
+        resp = httpx.get(f"{srv.url}/debug/kv", cookies={DASHBOARD_COOKIE: token}, timeout=10)
+        assert resp.status_code == 401, token
+    ok = httpx.get(f"{srv.url}/debug/kv", cookies={DASHBOARD_COOKIE: make_session_token(KEY)}, timeout=10)
+    assert ok.status_code == 200
+    # Behind a TLS proxy on this host (uvicorn trusts X-Forwarded-Proto from 127.0.0.1) the cookie is Secure.
+    login = httpx.post(f"{srv.url}/dashboard/login", data={"key": KEY}, headers={"X-Forwarded-Proto": "https"},
+                       timeout=10)
+    assert login.status_code == 303 and "; secure" in login.headers["set-cookie"].lower()
 
 
 def test_snapshots_are_shared_between_polls_and_follow_the_engine(srv):

@@ -1,4 +1,5 @@
-"""A server with --max-samples-per-request and a --chat-template that refuses tool messages; a double signal."""
+"""A server with --max-samples-per-request, a --chat-template that refuses tool messages and
+--disable-debug-routes; a double signal."""
 from __future__ import annotations
 
 import os
@@ -29,7 +30,8 @@ TEMPLATE = """{%- for m in messages -%}
 def flag_server():
     with tempfile.NamedTemporaryFile("w", suffix=".jinja", delete=False) as f:
         f.write(TEMPLATE)
-    srv = ServerProcess("--max-samples-per-request", str(MAX_SAMPLES), "--chat-template", f.name)
+    srv = ServerProcess("--max-samples-per-request", str(MAX_SAMPLES), "--chat-template", f.name,
+                        "--disable-debug-routes")
     yield srv
     srv.close()
     os.unlink(f.name)
@@ -51,6 +53,13 @@ def test_samples_per_request_are_capped(flag_client):
     assert e.value.body["param"] == "n"
     out = flag_client.completions.create(model=None, prompt="hi", max_tokens=1, n=MAX_SAMPLES, seed=3)
     assert len(out.choices) == MAX_SAMPLES
+
+
+def test_debug_routes_can_be_disabled(flag_server):
+    for path in ("/debug/kv", "/dashboard", "/dashboard/app.js", "/dashboard/login"):
+        resp = httpx.get(f"{flag_server.url}{path}", timeout=10)
+        assert resp.status_code == 404, path
+    assert httpx.get(f"{flag_server.url}/health", timeout=10).status_code == 200
 
 
 def test_template_raise_exception_is_400(flag_server, flag_client):

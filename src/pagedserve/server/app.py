@@ -109,10 +109,11 @@ def build_app(engine: AsyncLLMEngine, args: Any) -> FastAPI:
     app.add_middleware(BodySizeLimitMiddleware,
                        max_bytes=getattr(args, "max_request_body_size", MAX_REQUEST_BODY_SIZE))
     api_key = getattr(args, "api_key", None)
+    debug_routes = not getattr(args, "disable_debug_routes", False)
     if api_key is not None:
         if not api_key:  # "" must not silently mean "no auth"
             raise ValueError("--api-key must not be empty")
-        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+        app.add_middleware(APIKeyMiddleware, api_key=api_key, dashboard=debug_routes)
     completion = OpenAIServingCompletion(ctx)
     chat = OpenAIServingChat(ctx)
 
@@ -173,7 +174,8 @@ def build_app(engine: AsyncLLMEngine, args: Any) -> FastAPI:
         body, content_type = metrics.render()
         return Response(body, media_type=content_type)
 
-    register_debug_routes(app, engine, api_key)  # /debug/kv and /dashboard
+    if debug_routes:
+        register_debug_routes(app, engine, api_key)  # /debug/kv and /dashboard
     # Outermost, so the 401s and 413s of the middlewares above are counted too.
     app.add_middleware(HTTPMetricsMiddleware, count=metrics.count_http,
                        routes=frozenset(getattr(r, "path", "") for r in app.routes))

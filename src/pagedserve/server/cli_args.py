@@ -75,6 +75,8 @@ def add_serve_parser(subparsers, add_engine_args: Callable[[argparse.ArgumentPar
                    metavar="SECONDS", help="/health answers 503 once one engine step has run this long")
     g.add_argument("--shutdown-timeout", type=_non_negative_float, default=SHUTDOWN_TIMEOUT_S, metavar="SECONDS",
                    help="on SIGTERM/SIGINT, how long open responses may take to finish before the engine stops")
+    g.add_argument("--disable-debug-routes", action="store_true",
+                   help="leave out /debug/kv (every request's id, length and blocks) and /dashboard")
     g.add_argument("--served-model-name", nargs="+", default=None,
                    help="model name(s) clients send; the first is used in responses (default: --model)")
     g.add_argument("--metrics-prefix", choices=["pagedserve", "vllm"], default="pagedserve",

@@ -8,7 +8,8 @@ The snapshot costs the engine nothing until someone asks, and little when someon
 
 The handler never reads engine state itself. The page's files ship in the package (server/static/) and load
 nothing from the internet. With --api-key the page and /debug/kv need the key like every route; a browser
-gets it in through /dashboard/login, which sets an HttpOnly cookie (server/middleware.py).
+gets in through /dashboard/login, which sets an expiring session cookie, never the key (server/middleware.py).
+--disable-debug-routes leaves all of them out.
 """
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response
 
 from pagedserve.core.kv_snapshot import KVState, capture_kv_state, kv_snapshot_json
 from pagedserve.metrics.stats import RequestStats
-from pagedserve.server.middleware import DASHBOARD_COOKIE, DASHBOARD_LOGIN_PATH
+from pagedserve.server.middleware import (DASHBOARD_COOKIE, DASHBOARD_LOGIN_PATH, DASHBOARD_SESSION_S,
+                                         make_session_token)
 
 KV_SNAPSHOT_INTERVAL_S = 0.5    # at most 2 snapshots per second, however many pages poll
 TTFT_WINDOW_S = 60.0            # the page's TTFT percentiles cover the requests finished this recently
@@ -120,7 +122,9 @@ def _register_login(app: FastAPI, api_key: str) -> None:
             return HTMLResponse(_login_page("<p class=\"error\">That key was refused.</p>"), 401,
                                 headers=_NO_STORE)
         resp = RedirectResponse("/dashboard", 303)
-        resp.set_cookie(DASHBOARD_COOKIE, api_key, httponly=True, samesite="strict", path="/")
+        # request.url.scheme is https behind TLS, or behind a trusted proxy that says so (X-Forwarded-Proto).
+        resp.set_cookie(DASHBOARD_COOKIE, make_session_token(api_key), max_age=DASHBOARD_SESSION_S, httponly=True,
+                        samesite="strict", path="/", secure=request.url.scheme == "https")
         return resp
 
 

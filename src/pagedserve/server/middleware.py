@@ -5,7 +5,9 @@ run before FastAPI parses the body.
 """
 from __future__ import annotations
 
+import hashlib
 import hmac
+import time
 from http.cookies import CookieError, SimpleCookie
 from typing import Callable
 
@@ -19,18 +21,37 @@ from pagedserve.server.errors import OpenAIError
 # Probes and scrapers carry no key; the dashboard's login form is how a browser gets one in.
 DASHBOARD_LOGIN_PATH = "/dashboard/login"
 OPEN_PATHS = frozenset({"/health", "/metrics", DASHBOARD_LOGIN_PATH})
-# A browser opening a URL cannot send an Authorization header, so the dashboard's read-only GETs also take the
-# key from the cookie the login form sets (HttpOnly, SameSite=Strict: other sites can neither read nor send
-# it). The cookie opens nothing else: the completion routes still need the header.
-DASHBOARD_COOKIE = "pagedserve_api_key"
+# A browser opening a URL cannot send an Authorization header, so the dashboard's read-only GETs also take a
+# session token from the cookie the login form sets (HttpOnly, SameSite=Strict: other sites can neither read
+# nor send it; Secure behind TLS). The token is "<expiry>.<HMAC of the expiry under the key>": it expires, and
+# neither it nor a stolen copy reveals the key. The cookie opens nothing else: the API still needs the header.
+DASHBOARD_COOKIE = "pagedserve_session"
+DASHBOARD_SESSION_S = 12 * 3600
 COOKIE_PATHS = frozenset({"/dashboard", "/dashboard/app.js", "/dashboard/style.css", "/debug/kv"})
+
+
+def _session_mac(api_key: bytes, expires: str) -> str:
+    return hmac.new(api_key, b"pagedserve dashboard session " + expires.encode(), hashlib.sha256).hexdigest()
+
+
+def make_session_token(api_key: str, now: float | None = None) -> str:
+    expires = str(int(now if now is not None else time.time()) + DASHBOARD_SESSION_S)
+    return f"{expires}.{_session_mac(api_key.encode(), expires)}"
+
+
+def session_token_valid(api_key: bytes, token: str, now: float | None = None) -> bool:
+    expires, _, mac = token.partition(".")
+    if not expires.isdigit() or not hmac.compare_digest(mac.encode(), _session_mac(api_key, expires).encode()):
+        return False
+    return int(expires) > (now if now is not None else time.time())
 
 
 class APIKeyMiddleware:
     # Runs before body parsing: a keyless request with a broken body gets 401, not 400.
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+    def __init__(self, app: ASGIApp, api_key: str, dashboard: bool = True) -> None:
         self.app = app
         self.expected = api_key.encode()
+        self.dashboard = dashboard  # False with --disable-debug-routes: no cookie, no login redirect
 
     def _authorized(self, scope: Scope) -> bool:
         headers = Headers(scope=scope)
@@ -40,19 +61,19 @@ class APIKeyMiddleware:
         # key's bytes differ.
         if hmac.compare_digest(token.strip(), self.expected) and scheme.lower() == b"bearer":
             return True
-        if scope["path"] in COOKIE_PATHS and scope["method"] == "GET":
+        if self.dashboard and scope["path"] in COOKIE_PATHS and scope["method"] == "GET":
             cookie = SimpleCookie()
             try:
                 cookie.load(headers.get("cookie", ""))
             except CookieError:
                 return False
             morsel = cookie.get(DASHBOARD_COOKIE)
-            return morsel is not None and hmac.compare_digest(morsel.value.encode(), self.expected)
+            return morsel is not None and session_token_valid(self.expected, morsel.value)
         return False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] not in OPEN_PATHS and not self._authorized(scope):
-            if scope["path"] == "/dashboard":  # a person with a browser: to the form that asks for the key
+            if self.dashboard and scope["path"] == "/dashboard":  # a person with a browser: to the form that asks for the key
                 await RedirectResponse(DASHBOARD_LOGIN_PATH, 303)(scope, receive, send)
                 return
             err = OpenAIError("Incorrect or missing API key; send 'Authorization: Bearer <key>'.", 401,
