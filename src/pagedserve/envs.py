@@ -6,6 +6,9 @@ test or a launcher that sets one before the first use is obeyed.
     PAGEDSERVE_API_KEY    `pagedserve serve`'s API key when --api-key is not given (vLLM reads VLLM_API_KEY)
     PAGEDSERVE_CPU_ISA    kernel variant: "auto" (the best this CPU runs, default), "avx512", "avx2" or
                           "baseline"; forcing one this CPU cannot run is an error (pagedserve/kernels/isa.py)
+    PAGEDSERVE_REQUIRE_KERNELS "1": a kernel build that fails is an error (RuntimeError), not a warning and the
+                          pure-torch paths; CI sets it (.ci/run) so a broken build fails the run instead of
+                          skipping the kernel tests. PAGEDSERVE_KERNELS=0 still turns the kernels off
     PAGEDSERVE_TEST_ALL_ISAS "1": the kernel parity tests run every variant this CPU runs, not only its own
                           and baseline (each costs a build of minutes)
     PAGEDSERVE_AUTO_DTYPE what `--dtype auto` means, when set: "float32", "bfloat16" or "float16" (the test
@@ -22,6 +25,10 @@ def cache_dir() -> str:
 
 def kernels_enabled() -> bool:
     return os.environ.get("PAGEDSERVE_KERNELS", "1") != "0"
+
+
+def kernels_required() -> bool:
+    return os.environ.get("PAGEDSERVE_REQUIRE_KERNELS") == "1"
 
 
 def api_key() -> str | None:

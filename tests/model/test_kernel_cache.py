@@ -97,9 +97,19 @@ def test_a_build_that_fails_leaves_the_torch_paths(tmp_path, monkeypatch, caplog
         raise OSError(28, "No space left on device")
 
     monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("PAGEDSERVE_REQUIRE_KERNELS", raising=False)  # CI sets it (.ci/run)
     monkeypatch.setattr(cpp_extension, "load", no_space)
     monkeypatch.setattr(kernels, "_variant_ops", {})
     with caplog.at_level(logging.WARNING, logger="pagedserve.kernels"):
         assert kernels._load_uncached() == (None, None)
     assert "No space left on device" in caplog.text and "using the pure-torch paths" in caplog.text
     assert len(builds) == 1  # the other variants' builds would fail the same way, each after minutes
+    # Where kernels are required (CI), the same failure is an error, and prebuild (scripts/setup) raises too.
+    monkeypatch.setenv("PAGEDSERVE_REQUIRE_KERNELS", "1")
+    with pytest.raises(RuntimeError, match="PAGEDSERVE_REQUIRE_KERNELS=1"):
+        kernels._load_uncached()
+    monkeypatch.setattr(kernels, "parity_isas", lambda: ["baseline"])
+    with pytest.raises(OSError, match="No space left"):
+        kernels.prebuild()
+    monkeypatch.delenv("PAGEDSERVE_REQUIRE_KERNELS")
+    assert kernels.prebuild() == []

@@ -3,7 +3,8 @@
 `load()` returns the op namespace of the ISA variant this process runs (torch.ops.pagedserve_avx512, ...;
 see isa.py) once its library is loaded, or None when it cannot be (no C++ compiler, no ninja, a toolchain
 problem, or PAGEDSERVE_KERNELS=0): callers then take their pure-torch path, which is also the oracle the
-kernels are tested against. The variant is chosen once per process from this CPU's flags, best first
+kernels are tested against. Under PAGEDSERVE_REQUIRE_KERNELS=1 (CI) a build that fails raises RuntimeError
+instead, so a broken toolchain fails the run rather than skipping the kernel tests. The variant is chosen once per process from this CPU's flags, best first
 (PAGEDSERVE_CPU_ISA forces one; forcing one the CPU cannot run raises ValueError), and logged;
 `selected_isa()` names it. Each variant's build lives under the pagedserve cache directory, keyed by the
 sources, the torch install and the variant's flags, never by the CPU that built it, so a cache can move
@@ -98,6 +99,9 @@ def _load_uncached() -> tuple[str | None, object]:
         how = "forced by PAGEDSERVE_CPU_ISA" if requested != isa.AUTO else "the best this CPU runs"
         logger.info("pagedserve CPU kernels: %s variant (%s)", variant.name, how)
         return variant.name, ops
+    if envs.kernels_required():
+        raise RuntimeError("pagedserve CPU kernels could not be built or loaded and PAGEDSERVE_REQUIRE_KERNELS=1 "
+                           "(the warnings above say why)")
     logger.warning("pagedserve CPU kernels unavailable, using the pure-torch paths")
     return None, None
 
@@ -271,6 +275,8 @@ def prebuild() -> list[str]:
             load_isa(name)
             built.append(name)
         except Exception as e:
+            if envs.kernels_required():
+                raise
             logger.warning("pagedserve CPU kernels: the %s variant did not build: %s", name, e)
     return built
 
