@@ -97,6 +97,8 @@ class CacheConfig:
     preemption_mode: str = "recompute"  # "recompute" or "swap"
     # --kv-cache-dtype (kv_dtypes.py): "auto" follows the model's dtype; the engine stores the resolved name.
     cache_dtype: str = "auto"
+    # Touch every page of the pool at start (worker/kv_cache.py), so resident memory does not grow later.
+    prefault_kv_cache: bool = True
 
     def __post_init__(self) -> None:
         from pagedserve.kv_dtypes import canonical

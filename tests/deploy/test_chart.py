@@ -103,6 +103,17 @@ def test_probes_service_and_monitor_point_at_the_server():
     assert port == 8000
 
 
+def test_default_memory_request_holds_the_prefaulted_pool(tmp_path):
+    # The pool is resident from the start: the request must hold it + the model and runtime (~0.5 GiB measured
+    # for the embedded model, 1 GiB allowed).
+    c = container(render())
+    args = run_entrypoint(tmp_path, c["args"], {})
+    request = c["resources"]["requests"]["memory"]
+    assert request.endswith("Gi")
+    assert args["kv_cache_memory_bytes"] == 2 << 30 and args["prefault_kv_cache"] is True
+    assert args["kv_cache_memory_bytes"] + (1 << 30) <= int(request[:-2]) << 30
+
+
 def test_termination_outlasts_the_drain(tmp_path):
     values = {"termination": {"preStopSleepSeconds": 15, "shutdownTimeoutSeconds": 300}}
     objects = render(values)

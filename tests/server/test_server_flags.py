@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import tempfile
 import time
@@ -53,6 +54,16 @@ def test_samples_per_request_are_capped(flag_client):
     assert e.value.body["param"] == "n"
     out = flag_client.completions.create(model=None, prompt="hi", max_tokens=1, n=MAX_SAMPLES, seed=3)
     assert len(out.choices) == MAX_SAMPLES
+
+
+def test_start_up_log_gives_model_and_prefaulted_pool(flag_server):
+    # The pool (--kv-cache-memory 96 MiB: 2,176 tokens x 46,080 B = 95 MiB) is resident from the start.
+    line = re.search(r"memory: model and runtime (\d+) MiB \+ KV pool (\d+) MiB \(resident from the start\) = "
+                     r"(\d+) MiB resident", flag_server.read_log())
+    assert line, flag_server.read_log()
+    model, pool, rss = map(int, line.groups())
+    assert pool == 2176 * 46080 >> 20
+    assert model + pool == rss and model > 100
 
 
 def test_debug_routes_can_be_disabled(flag_server):

@@ -48,3 +48,23 @@ def test_cuda_swap_out_is_complete_when_it_returns():
         apply_block_ops(BlockOps(swap_out=pairs, swap_in=[], copy=[]), caches, host)
         for c, h in zip(caches, host):
             assert torch.equal(h[:, [d for _, d in pairs]], c[:, [s for s, _ in pairs]].cpu())
+
+
+@pytest.mark.parametrize("prefault", [True, False])
+def test_the_pool_is_resident_from_the_start_when_prefaulted(prefault):
+    # 2 layers x 32 MiB: with prefault the whole pool is resident when allocate returns; without, none of it
+    # until blocks are written. Either way it reads as zeros.
+    from pagedserve.worker.memory import resident_bytes
+
+    before = resident_bytes()
+    if before is None:
+        pytest.skip("no /proc/self/statm")
+    caches = allocate_kv_caches(2, 128, 16, 8, 256, torch.float32, "cpu", prefault=prefault)
+    grown = resident_bytes() - before
+    size = sum(c.numel() * c.element_size() for c in caches)
+    assert size == 64 << 20
+    if prefault:
+        assert grown >= 0.95 * size, grown
+    else:
+        assert grown < 0.05 * size, grown
+    assert not caches[0][:, ::37].any() and not caches[1][:, -1].any()

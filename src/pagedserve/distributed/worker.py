@@ -74,7 +74,8 @@ def _serve(rank: int, config: EngineConfig, init_method: str, conn: Connection) 
                 dtype = storage_dtype(resolved.cache.cache_dtype)  # the KV storage type rank 0 resolved
                 num_kv_heads = hf.num_key_value_heads // world_size
                 head_dim = loaded.model.head_dim
-                kv = allocate_kv_caches(hf.num_hidden_layers, num_blocks, bs, num_kv_heads, head_dim, dtype, device)
+                kv = allocate_kv_caches(hf.num_hidden_layers, num_blocks, bs, num_kv_heads, head_dim, dtype, device,
+                                        resolved.cache.prefault_kv_cache)
                 runner = ModelRunner(loaded.model, kv, bs, hf.vocab_size, device, resolved.scheduler.max_num_seqs,
                                      resolved.model.max_model_len, resolved.model.seed, driver=False)
                 if num_host_blocks:

@@ -41,6 +41,7 @@ class EngineArgs:
     swap_space: float = _default(CacheConfig, "swap_space_gib")  # GiB, as vLLM's swap_space
     preemption_mode: str = _default(CacheConfig, "preemption_mode")
     kv_cache_dtype: str = _default(CacheConfig, "cache_dtype")
+    prefault_kv_cache: bool = _default(CacheConfig, "prefault_kv_cache")
     max_num_seqs: int = _default(SchedulerConfig, "max_num_seqs")
     max_num_batched_tokens: int | None = _default(SchedulerConfig, "max_num_batched_tokens")
     enable_chunked_prefill: bool = _default(SchedulerConfig, "enable_chunked_prefill")
@@ -92,6 +93,9 @@ class EngineArgs:
         g.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, metavar="{" + ",".join(KV_CACHE_DTYPES) + "}",
                        help="KV cache element type; auto: the model's dtype. fp8_e4m3 and int8 store 1 byte per "
                             "element plus a scale per token and head (bytes per token in the start-up log)")
+        g.add_argument("--prefault-kv-cache", action=argparse.BooleanOptionalAction, default=d.prefault_kv_cache,
+                       help="make the whole KV pool resident at start, so resident memory does not grow toward "
+                            "it later (default on; --no-prefault-kv-cache: pages become resident as first used)")
         g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="requests per step")
         g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
                        help=f"tokens per step (default: {CHUNKED_PREFILL_BATCHED_TOKENS}, or max_model_len "
@@ -128,7 +132,7 @@ class EngineArgs:
                               self.chat_template, self.attention_backend, self.quantization, self.load_format),
             cache=CacheConfig(self.block_size, self.kv_cache_memory_bytes, self.kv_cache_fraction,
                               self.num_gpu_blocks_override, self.enable_prefix_caching, self.swap_space,
-                              self.preemption_mode, self.kv_cache_dtype),
+                              self.preemption_mode, self.kv_cache_dtype, self.prefault_kv_cache),
             scheduler=scheduler,
             device=DeviceConfig(self.device, self.num_threads),
             speculative=SpeculativeConfig.parse(self.speculative_config),

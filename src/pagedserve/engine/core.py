@@ -150,7 +150,7 @@ class EngineCore:
         config = self.config = resolve_limits(config, loaded.max_model_len, num_blocks)
         max_len = self.max_model_len = config.model.max_model_len
         kv_caches = allocate_kv_caches(hf.num_hidden_layers, num_blocks, bs, num_kv_heads, head_dim, kv_dtype,
-                                       device)
+                                       device, config.cache.prefault_kv_cache)
         per_block = kv_bytes_per_block(hf.num_hidden_layers, bs, num_kv_heads, head_dim, kv_dtype)
         # The swap space holds the draft's copy of each swapped block as well.
         num_host_blocks = int(config.cache.swap_space_gib * (1 << 30)) // (

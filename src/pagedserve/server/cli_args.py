@@ -102,6 +102,24 @@ def _raise_shutdown(signum: int, _frame) -> None:
     raise _ShutdownSignal(signal.Signals(signum).name)
 
 
+def log_memory(engine, prefaulted: bool, device: str) -> None:
+    # What a pod's memory request must hold from the start: with the pool prefaulted, the resident figure now
+    # is model + runtime + the whole pool, and serving adds only what requests themselves hold.
+    from pagedserve.worker.memory import resident_bytes
+
+    rss = resident_bytes()
+    pool = engine.num_kv_blocks * engine.block_size * engine.kv_bytes_per_token
+    if rss is None:
+        return
+    mib = 1 << 20
+    how = ("resident from the start" if prefaulted else
+           "not prefaulted: resident memory grows toward it as requests first reach its pages")
+    if device != "cpu":
+        pool, how = 0, "on the device"
+    logger.info("memory: model and runtime %d MiB + KV pool %d MiB (%s) = %d MiB resident in this process",
+                (rss - pool) // mib, pool // mib, how, rss // mib)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     # Until uvicorn installs its own handlers (and after it restores these and re-raises the signal it
     # caught), SIGTERM behaves like Ctrl-C: unwind, stop the engine thread, exit 0.
@@ -130,6 +148,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         logger.info("KV cache: %d blocks x %d tokens = %d tokens, %s, %d bytes per token", engine.num_kv_blocks,
                     engine.block_size, engine.num_kv_blocks * engine.block_size, engine.kv_cache_dtype,
                     engine.kv_bytes_per_token)
+        log_memory(engine, config.cache.prefault_kv_cache, config.device.resolve())
         logger.info("serving at http://%s:%d  (OpenAI base_url http://%s:%d/v1)%s", args.host, args.port,
                     args.host, args.port, "; API key required" if args.api_key else "")
         exit_code = run_server(engine, args)

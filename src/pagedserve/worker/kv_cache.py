@@ -23,19 +23,23 @@ def kv_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head
 
 
 def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                       head_dim: int, dtype: torch.dtype, device: str | torch.device) -> list[torch.Tensor]:
+                       head_dim: int, dtype: torch.dtype, device: str | torch.device,
+                       prefault: bool = True) -> list[torch.Tensor]:
     shape = (2, num_blocks, block_size, num_kv_heads, row_width(dtype, head_dim))
-    return [_zeros(shape, dtype, torch.device(device)) for _ in range(num_layers)]
+    return [_zeros(shape, dtype, torch.device(device), prefault) for _ in range(num_layers)]
 
 
-def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    # On CPU the pool is fresh anonymous memory: zero by definition, and a page becomes resident only when a
-    # block on it is first written, so the pool's pages that no request has reached cost no RSS (torch.zeros
-    # writes every page at start-up). Under full load the whole pool is resident either way.
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, prefault: bool) -> torch.Tensor:
+    # On CPU the pool is fresh anonymous memory, zero by definition. A page of it becomes resident when first
+    # touched: with prefault (--prefault-kv-cache, the default) the kernel maps every page at start
+    # (MAP_POPULATE), so the start-up RSS already holds the whole pool and a memory limit sized from it is not
+    # crossed later, when requests first reach the pool's last pages. Without, untouched pages cost nothing
+    # until then. Under full load the whole pool is resident either way.
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     numel = math.prod(shape)
-    buf = mmap.mmap(-1, max(1, numel * torch.empty((), dtype=dtype).element_size()))
+    flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if prefault else 0)
+    buf = mmap.mmap(-1, max(1, numel * torch.empty((), dtype=dtype).element_size()), flags=flags)
     return torch.frombuffer(buf, dtype=dtype, count=numel).view(shape)
 
 

@@ -13,6 +13,15 @@ from pagedserve.worker.kv_cache import kv_bytes_per_block
 CPU_DEFAULT_CAP_BYTES = 4 << 30
 
 
+def resident_bytes() -> int | None:
+    # This process's resident set (VmRSS), Linux only.
+    try:
+        with open("/proc/self/statm", encoding="ascii") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def available_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
