@@ -99,6 +99,9 @@ class CacheConfig:
     cache_dtype: str = "auto"
     # Touch every page of the pool at start (worker/kv_cache.py), so resident memory does not grow later.
     prefault_kv_cache: bool = True
+    # The prefix cache's disk tier (core/kv_disk.py): a directory, possibly shared by replicas, and its bound.
+    kv_offload_dir: str | None = None
+    kv_offload_max_bytes: int | None = None
 
     def __post_init__(self) -> None:
         from pagedserve.kv_dtypes import canonical
@@ -116,6 +119,10 @@ class CacheConfig:
             raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space_gib}")
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
+        if self.kv_offload_max_bytes is not None and self.kv_offload_max_bytes < 1:
+            raise ValueError(f"kv_offload_max_bytes must be >= 1, got {self.kv_offload_max_bytes}")
+        if self.kv_offload_max_bytes is not None and self.kv_offload_dir is None:
+            raise ValueError("--kv-offload-max-bytes needs --kv-offload-dir")
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,15 +11,20 @@ a private copy first (copy-on-write), so no write ever lands in a block that ano
 
 Swapping moves a preempted request's blocks to a host pool and back; the copies to run are queued as
 (src, dst) pairs and drained into the next SchedulerOutput.
+
+With a disk tier (core/kv_disk.py) a prefix-cache miss goes on to the disk: blocks found there are read now,
+loaded into newly allocated blocks before the next forward pass (BlockOps.load) and count as computed.
+Every block that becomes cached is queued for the disk (take_disk_stores) unless it came from there.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import groupby
 
 from pagedserve.core.block_pool import (PROCESS_HASH_ROOT, BlockHash, BlockPool, KVBlock, hash_block_tokens,
                                         salt_key)
-from pagedserve.core.kv_events import MEDIUM_GPU, KVEventCollector
+from pagedserve.core.kv_disk import DiskKVStore, DiskRecord
+from pagedserve.core.kv_events import MEDIUM_DISK, MEDIUM_GPU, KVEventCollector
 from pagedserve.core.request import Request
 
 
@@ -39,23 +44,30 @@ class BlockOps:
     swap_out: list[tuple[int, int]]   # (device block, host block)
     swap_in: list[tuple[int, int]]    # (host block, device block)
     copy: list[tuple[int, int]]       # (src device block, dst device block), copy-on-write
+    load: list[tuple[int, bytearray]] = field(default_factory=list)  # (device block, its K/V from disk)
 
     def __bool__(self) -> bool:
-        return bool(self.swap_out or self.swap_in or self.copy)
+        return bool(self.swap_out or self.swap_in or self.copy or self.load)
 
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
                  num_host_blocks: int = 0, hash_root: BlockHash | None = None,
-                 kv_events: KVEventCollector | None = None) -> None:
+                 kv_events: KVEventCollector | None = None, disk: DiskKVStore | None = None) -> None:
         self.block_size = block_size
-        self.hash_root = PROCESS_HASH_ROOT if hash_root is None else hash_root
+        # The disk tier needs hashes that mean the same in every process: its root replaces the random one.
+        self.hash_root = disk.hash_root if disk is not None else PROCESS_HASH_ROOT if hash_root is None else hash_root
+        self.disk = disk
+        self._disk_hits: tuple[str, list[tuple[BlockHash, bytearray]]] | None = None
+        self._disk_stores: list[DiskRecord] = []
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
         # Other tiers (disk) record into the same collector, so consumers see one ordered stream.
         self.kv_events = kv_events
         if kv_events is not None:
             self.pool.events = kv_events.tier(MEDIUM_GPU)
+            if disk is not None:
+                disk.events = kv_events.tier(MEDIUM_DISK)
         self.host_pool = BlockPool(num_host_blocks, False) if num_host_blocks else None
         self.swapped: dict[str, list[KVBlock]] = {}
         self._ops = BlockOps([], [], [])
@@ -99,7 +111,19 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        return hits, len(hits) * self.block_size
+        self._disk_hits = None
+        if self.disk is not None and len(hits) < max_hit_blocks:
+            # No more blocks than the pool could give this request: the rest would be read for nothing.
+            room = self.pool.num_free_blocks - sum(1 for b in hits if b.ref_cnt == 0)
+            loaded = []
+            for block_hash in self.req_hashes[req.req_id][len(hits):min(max_hit_blocks, len(hits) + room)]:
+                payload = self.disk.load(block_hash)
+                if payload is None:
+                    break
+                loaded.append((block_hash, payload))
+            if loaded:
+                self._disk_hits = (req.req_id, loaded)
+        return hits, (len(hits) + len(self._disk_hits[1] if self._disk_hits else ())) * self.block_size
 
     def record_prefix_query(self, req: Request, num_hit_tokens: int) -> None:
         if self.enable_caching and not req.skip_prefix_cache_reads:  # it never asked the cache
@@ -110,8 +134,13 @@ class KVCacheManager:
                        computed_blocks: list[KVBlock] | None = None) -> list[int] | None:
         """Make room for num_new_tokens more tokens; None when the pool is short (the preemption signal)."""
         computed_blocks = computed_blocks or []
+        # Blocks get_computed_blocks just read from disk for this request follow computed_blocks; they take
+        # new blocks, counted in num_needed.
+        disk_hits = self._disk_hits[1] if self._disk_hits and self._disk_hits[0] == req.req_id else []
+        self._disk_hits = None
         blocks = self.req_blocks.setdefault(req.req_id, [])
-        num_tokens = req.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
+        num_computed_blocks = len(computed_blocks) + len(disk_hits)
+        num_tokens = req.num_computed_tokens + num_computed_blocks * self.block_size + num_new_tokens
         num_needed = max(cdiv(num_tokens, self.block_size) - len(blocks) - len(computed_blocks), 0)
         # The first write lands in block write_idx; if another sequence shares it, it is copied first.
         write_idx = req.num_computed_tokens // self.block_size
@@ -130,7 +159,17 @@ class KVCacheManager:
         blocks.extend(computed_blocks)
         new_blocks = self.pool.allocate(num_needed)
         blocks.extend(new_blocks)
-        self.num_cached_blocks.setdefault(req.req_id, len(computed_blocks))
+        for block, (block_hash, payload) in zip(new_blocks, disk_hits):
+            self._ops.load.append((block.block_id, payload))
+            self.pool.cache(block, block_hash)  # loaded before any forward pass reads it
+        if disk_hits and self.pool.events is not None:  # the pool gained them: reported as any cached block
+            self._report_stored(req, self.req_hashes[req.req_id], len(computed_blocks), [True] * len(disk_hits))
+        if disk_hits:
+            stats = self.disk.stats
+            stats.num_loaded_blocks += len(disk_hits)
+            stats.loaded_bytes += len(disk_hits) * self.disk.block_nbytes
+            stats.num_hit_tokens += len(disk_hits) * self.block_size
+        self.num_cached_blocks.setdefault(req.req_id, num_computed_blocks)
         return [b.block_id for b in new_blocks]
 
     def fork(self, src: Request, dst: Request, num_tokens: int) -> None:
@@ -188,7 +227,22 @@ class KVCacheManager:
         added = [self.pool.cache(blocks[i], hashes[i]) for i in range(start, num_full)]
         if self.pool.events is not None:
             self._report_stored(req, hashes, start, added)
+        if self.disk is not None:
+            self._disk_stores.extend(self._disk_record(req, hashes, i, blocks[i].block_id)
+                                     for i in range(start, num_full) if added[i - start])
         self.num_cached_blocks[req.req_id] = num_full
+
+    def _disk_record(self, req: Request, hashes: list[BlockHash], i: int, block_id: int) -> DiskRecord:
+        bs = self.block_size
+        return DiskRecord(block_id, hashes[i], hashes[i - 1] if i else None,
+                          tuple(req.all_token_ids[i * bs:(i + 1) * bs]),
+                          (req.cache_salt,) if i == 0 and req.cache_salt is not None else None)
+
+    def take_disk_stores(self) -> list[DiskRecord]:
+        # Blocks cached since the last call: the worker copies them out for the disk before the next plan
+        # can reuse them.
+        stores, self._disk_stores = self._disk_stores, []
+        return stores
 
     def _report_stored(self, req: Request, hashes: list[BlockHash], start: int, added: list[bool]) -> None:
         # One BlockStored per run of blocks this call added; a block whose hash another block already holds

@@ -318,4 +318,5 @@ class Scheduler:
                               self.num_preemptions_total, ps.num_queries, ps.num_hits,
                               kv.pool.num_free_blocks, kv.num_blocks, kv.pool.num_shared_blocks,
                               kv.num_cow_copies, kv.num_swapped_out_blocks, kv.num_swapped_in_blocks,
-                              self.num_preemptions_swap, len(kv.swapped))
+                              self.num_preemptions_swap, len(kv.swapped),
+                              kv.disk.snapshot() if kv.disk is not None else None)

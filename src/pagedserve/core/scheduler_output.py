@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pagedserve.core.kv_cache_manager import BlockOps
+from pagedserve.core.kv_disk import KVOffloadStats
 from pagedserve.sampling_params import SamplingParams
 
 
@@ -142,3 +143,4 @@ class SchedulerStats:
     num_swapped_in_blocks_total: int = 0
     num_preemptions_swap_total: int = 0
     num_swapped: int = 0
+    kv_offload: KVOffloadStats | None = None  # a copy of the disk tier's counters; None without one

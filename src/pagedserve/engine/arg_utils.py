@@ -12,6 +12,7 @@ from typing import Any
 from pagedserve.config import (ATTENTION_BACKENDS, CHUNKED_PREFILL_BATCHED_TOKENS, DTYPES, LOAD_FORMATS, QUANTIZATIONS,
                                CacheConfig, DeviceConfig, EngineConfig, ModelConfig, ParallelConfig,
                                SchedulerConfig, SpeculativeConfig, StructuredOutputsConfig)
+from pagedserve.core.kv_disk import check_offload_config
 from pagedserve.kv_dtypes import KV_CACHE_DTYPES
 
 
@@ -42,6 +43,8 @@ class EngineArgs:
     preemption_mode: str = _default(CacheConfig, "preemption_mode")
     kv_cache_dtype: str = _default(CacheConfig, "cache_dtype")
     prefault_kv_cache: bool = _default(CacheConfig, "prefault_kv_cache")
+    kv_offload_dir: str | None = _default(CacheConfig, "kv_offload_dir")
+    kv_offload_max_bytes: int | None = _default(CacheConfig, "kv_offload_max_bytes")
     max_num_seqs: int = _default(SchedulerConfig, "max_num_seqs")
     max_num_batched_tokens: int | None = _default(SchedulerConfig, "max_num_batched_tokens")
     enable_chunked_prefill: bool = _default(SchedulerConfig, "enable_chunked_prefill")
@@ -96,6 +99,12 @@ class EngineArgs:
         g.add_argument("--prefault-kv-cache", action=argparse.BooleanOptionalAction, default=d.prefault_kv_cache,
                        help="make the whole KV pool resident at start, so resident memory does not grow toward "
                             "it later (default on; --no-prefault-kv-cache: pages become resident as first used)")
+        g.add_argument("--kv-offload-dir", default=d.kv_offload_dir, metavar="DIR",
+                       help="disk tier of the prefix cache: full blocks are written here by a hash of the model, "
+                            "KV dtype, block size and tokens, and read back on a prefix-cache miss (survives "
+                            "restarts; replicas may share the directory)")
+        g.add_argument("--kv-offload-max-bytes", type=int, default=d.kv_offload_max_bytes, metavar="BYTES",
+                       help="bound on the disk tier's files; the least recently used go first (default: none)")
         g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="requests per step")
         g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
                        help=f"tokens per step (default: {CHUNKED_PREFILL_BATCHED_TOKENS}, or max_model_len "
@@ -127,14 +136,17 @@ class EngineArgs:
         scheduler = SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.enable_chunked_prefill)
         if self.max_model_len is not None:
             scheduler.check_fits(self.max_model_len)
-        return EngineConfig(
+        config = EngineConfig(
             model=ModelConfig(self.model, self.tokenizer, self.max_model_len, self.dtype, self.seed,
                               self.chat_template, self.attention_backend, self.quantization, self.load_format),
             cache=CacheConfig(self.block_size, self.kv_cache_memory_bytes, self.kv_cache_fraction,
                               self.num_gpu_blocks_override, self.enable_prefix_caching, self.swap_space,
-                              self.preemption_mode, self.kv_cache_dtype, self.prefault_kv_cache),
+                              self.preemption_mode, self.kv_cache_dtype, self.prefault_kv_cache,
+                              self.kv_offload_dir, self.kv_offload_max_bytes),
             scheduler=scheduler,
             device=DeviceConfig(self.device, self.num_threads),
             speculative=SpeculativeConfig.parse(self.speculative_config),
             parallel=ParallelConfig(self.tensor_parallel_size, self.distributed_timeout),
             structured_outputs=StructuredOutputsConfig(self.structured_outputs_compile_timeout))
+        check_offload_config(config)
+        return config

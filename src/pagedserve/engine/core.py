@@ -40,6 +40,7 @@ from pagedserve.spec_decode.draft_model import (DraftModel, check_same_vocab, dr
 from pagedserve.spec_decode.proposer import make_proposer
 from pagedserve.structured_output.manager import StructuredOutputManager
 from pagedserve.worker.kv_cache import allocate_host_caches, allocate_kv_caches, kv_bytes_per_block
+from pagedserve.worker.kv_offload import open_disk_tier, store_cached_blocks
 from pagedserve.worker.memory import DraftKV, plan_num_blocks
 from pagedserve.worker.model_runner import ModelRunner
 
@@ -157,7 +158,8 @@ class EngineCore:
             per_block + (draft_kv.bytes_per_block if draft_kv else 0))
         if config.cache.preemption_mode == "swap" and num_host_blocks == 0:
             raise ValueError("preemption_mode='swap' needs swap_space > 0 (GiB of host memory)")
-        self.kv = KVCacheManager(num_blocks, bs, config.cache.enable_prefix_caching, num_host_blocks)
+        self.kv = KVCacheManager(num_blocks, bs, config.cache.enable_prefix_caching, num_host_blocks,
+                                 disk=open_disk_tier(config, per_block))
         self.scheduler = Scheduler(config.scheduler, self.kv, max_len, config.cache.preemption_mode)
         self.runner = ModelRunner(loaded.model, kv_caches, bs, hf.vocab_size, device,
                                   config.scheduler.max_num_seqs, max_len, config.model.seed)
@@ -219,9 +221,11 @@ class EngineCore:
         return drafter
 
     def shutdown(self) -> None:
-        # Stops the tensor-parallel workers; a single-process core holds nothing that needs stopping.
+        # Stops the tensor-parallel workers and writes out the disk tier's queue.
         if self.executor is not None:
             self.executor.shutdown()
+        if getattr(self, "kv", None) is not None and self.kv.disk is not None:
+            self.kv.disk.close()
 
     @property
     def num_kv_blocks(self) -> int:
@@ -294,6 +298,8 @@ class EngineCore:
         requests = self.scheduler.requests
         num_before = {rid: requests[rid].num_output_tokens for rid in result.req_ids if rid in requests}
         updated = self.scheduler.update(plan, result)
+        if self.kv.disk is not None:
+            store_cached_blocks(self.kv, self.runner.kv_caches)
         if self.structured_output.matchers:
             updated = self._accept_structured(updated, outputs)
         now = time.monotonic()

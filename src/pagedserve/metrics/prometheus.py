@@ -106,6 +106,8 @@ class _SnapshotCollector:
         yield success
         if snap.spec is not None:
             yield from _spec_decode_metrics(p, self.model_name, snap.spec)
+        if sched is not None and sched.kv_offload is not None:
+            yield from _kv_offload_metrics(gauge, counter, sched.kv_offload)
         info = GaugeMetricFamily(f"{p}:cache_config_info", "Information of the KV cache configuration.",
                                  labels=["block_size", "num_gpu_blocks", "cache_dtype", "kv_bytes_per_token"])
         info.add_metric([str(self.engine.block_size), str(self.engine.num_kv_blocks), self.engine.kv_cache_dtype,
@@ -127,6 +129,24 @@ def _spec_decode_metrics(p: str, model_name: str, spec) -> Iterable[Metric]:
     for pos, value in enumerate(spec.num_accepted_tokens_per_pos):
         per_pos.add_metric([model_name, str(pos)], value)
     yield per_pos
+
+
+def _kv_offload_metrics(gauge, counter, s) -> Iterable[Metric]:
+    # The prefix cache's disk tier (--kv-offload-dir, core/kv_disk.py); prefix_cache_hits_total includes
+    # its hits, kv_offload_hit_tokens_total is their disk part.
+    yield counter("kv_offload_stored_blocks_total", "KV blocks written to the disk tier.", s.num_stored_blocks)
+    yield counter("kv_offload_loaded_blocks_total", "KV blocks loaded from the disk tier.", s.num_loaded_blocks)
+    yield counter("kv_offload_stored_bytes_total", "Bytes of K/V written to the disk tier.", s.stored_bytes)
+    yield counter("kv_offload_loaded_bytes_total", "Bytes of K/V loaded from the disk tier.", s.loaded_bytes)
+    yield counter("kv_offload_hit_tokens_total", "Prompt tokens loaded from the disk tier instead of computed.",
+                  s.num_hit_tokens)
+    yield counter("kv_offload_evicted_blocks_total", "Block files removed to keep the disk tier under its bound.",
+                  s.num_evicted_blocks)
+    yield counter("kv_offload_corrupt_blocks_total", "Block files that failed their checks (recomputed).",
+                  s.num_corrupt_blocks)
+    yield counter("kv_offload_dropped_stores_total", "Blocks not written because the writer fell behind.",
+                  s.num_dropped_stores)
+    yield gauge("kv_offload_disk_bytes", "Bytes of block files in the disk tier's directory.", s.disk_bytes)
 
 
 class PrometheusMetrics:

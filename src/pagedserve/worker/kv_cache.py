@@ -14,6 +14,7 @@ import mmap
 import torch
 
 from pagedserve.attention.kv_quant import row_width
+from pagedserve.worker.kv_offload import write_blocks
 
 
 def kv_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -52,7 +53,8 @@ def allocate_host_caches(num_layers: int, num_blocks: int, block_size: int, num_
 
 
 def apply_block_ops(ops, kv_caches: list[torch.Tensor], host_caches: list[torch.Tensor]) -> None:
-    """Run a plan's swap-outs, swap-ins and copy-on-write copies, in that order, before the forward pass."""
+    """Run a plan's swap-outs, swap-ins, copy-on-write copies and disk loads, in that order, before the
+    forward pass."""
     if not ops:
         return
     for pairs, src_caches, dst_caches in ((ops.swap_out, kv_caches, host_caches),
@@ -60,6 +62,8 @@ def apply_block_ops(ops, kv_caches: list[torch.Tensor], host_caches: list[torch.
                                           (ops.copy, kv_caches, kv_caches)):
         if pairs:
             copy_blocks(pairs, src_caches, dst_caches)
+    if ops.load:
+        write_blocks(kv_caches, ops.load)
 
 
 def copy_blocks(pairs: list[tuple[int, int]], src_caches: list[torch.Tensor],

@@ -1,0 +1,280 @@
+"""The disk tier of the prefix cache (--kv-offload-dir): full blocks' K/V in files named by block hash.
+
+    pool hit? --no--> file DIR/ab/abcd...kv? --yes--> read, check, load into a new block (no recompute)
+                                            --no---> recompute; once full and cached, the block is written
+
+Block hashes chain from a root made of the model's identity (a digest of its weight files' contents, not
+their paths), its dtype, the KV dtype, the block size and the backend, never from Python's per-process
+hash: so a restarted engine, or another replica on the same volume, finds the same files. cache_salt is in
+the first block's key (block_pool.salt_key), so salted prefixes stay private on disk as in memory.
+
+Files are written by one thread per engine: into a temporary name beside the final one, then renamed, so a
+reader sees a whole file or none, and replicas writing the same block at once write the same bytes. A file
+carries its hash, length and CRC-32; one that does not check out (torn, truncated, bit rot) counts as a
+miss, is removed and recomputed. Over --kv-offload-max-bytes the least recently used files (by mtime; a read
+touches its file) go until 90% of the bound is left.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import queue
+import struct
+import threading
+import time
+import zlib
+from dataclasses import dataclass, replace
+
+from pagedserve.core.block_pool import BlockHash
+from pagedserve.core.kv_events import TierEvents
+
+MAGIC = b"PSKV"
+VERSION = 1
+_HEADER = struct.Struct("<4sI32sQI")  # magic, version, block hash, payload bytes, CRC-32 of the payload
+SUFFIX = ".kv"
+STALE_TMP_S = 3600.0           # a temporary file this old belongs to a writer that died
+MAX_QUEUED_BYTES = 256 << 20   # blocks waiting for the writer beyond this are dropped (counted), not queued
+FULL_HASH_BYTES = 512 << 20    # model files up to this size are hashed whole for their identity
+SAMPLE_BYTES = 64 << 10
+
+
+@dataclass(slots=True)
+class KVOffloadStats:
+    num_stored_blocks: int = 0
+    num_loaded_blocks: int = 0
+    stored_bytes: int = 0
+    loaded_bytes: int = 0
+    num_hit_tokens: int = 0        # prompt tokens loaded from disk instead of computed
+    num_evicted_blocks: int = 0
+    num_corrupt_blocks: int = 0
+    num_dropped_stores: int = 0    # the writer fell behind by MAX_QUEUED_BYTES
+    disk_bytes: int = 0            # bytes of block files in the directory at the last scan or write
+
+
+@dataclass(frozen=True, slots=True)
+class DiskRecord:
+    # A block to write: where its K/V is now, its key, and what its KV event reports (tokens, parent, salt).
+    block_id: int
+    block_hash: BlockHash
+    parent_hash: BlockHash | None
+    token_ids: tuple[int, ...]
+    extra_keys: tuple[str, ...] | None
+
+
+def check_offload_config(config) -> None:
+    """ValueError for an EngineConfig the disk tier cannot serve (checked before the model loads)."""
+    cache = config.cache
+    if cache.kv_offload_dir is None:
+        return
+    if not cache.enable_prefix_caching:
+        raise ValueError("--kv-offload-dir needs prefix caching: drop --no-enable-prefix-caching")
+    if config.parallel.tensor_parallel_size > 1:
+        raise ValueError("--kv-offload-dir does not support --tensor-parallel-size > 1 yet")
+    if config.speculative is not None and config.speculative.method == "draft_model":
+        raise ValueError("--kv-offload-dir does not support speculative method 'draft_model' yet (the draft's "
+                         "K/V is not stored with the blocks)")
+
+
+def model_fingerprint(path: str, load_format: str = "auto") -> str:
+    # The model's identity from its files' contents, so copies of one model on two machines agree and a
+    # replaced file does not. Files up to FULL_HASH_BYTES are hashed whole; larger ones by name, size and 64
+    # evenly spaced 64 KiB samples (hashing many GB at every start would cost seconds).
+    h = hashlib.sha256(f"load_format={load_format}".encode())
+    if os.path.isdir(path):
+        names = ["config.json"]
+        if load_format != "dummy":  # dummy weights come from the config and a fixed seed
+            names += sorted(n for n in os.listdir(path) if n.endswith((".safetensors", ".gguf", ".bin")))
+        files = [os.path.join(path, n) for n in names]
+    else:
+        files = [path]
+    for file in files:
+        size = os.path.getsize(file)
+        h.update(f"{os.path.basename(file)}:{size}".encode())
+        with open(file, "rb") as f:
+            if size <= FULL_HASH_BYTES:
+                while chunk := f.read(1 << 20):
+                    h.update(chunk)
+                continue
+            for i in range(64):
+                f.seek((size - SAMPLE_BYTES) * i // 63)
+                h.update(f.read(SAMPLE_BYTES))
+    return h.hexdigest()
+
+
+def make_disk_hash_root(fingerprint: str, **layout: object) -> BlockHash:
+    # layout: dtype, KV dtype, block size, ... : anything that changes the bytes of a block.
+    key = json.dumps({"fingerprint": fingerprint, **layout}, sort_keys=True)
+    return hashlib.sha256(b"pagedserve-kv-disk-v1:" + key.encode()).digest()
+
+
+class DiskKVStore:
+    def __init__(self, directory: str, max_bytes: int | None, block_nbytes: int, hash_root: BlockHash) -> None:
+        if max_bytes is not None and max_bytes < block_nbytes + _HEADER.size:
+            raise ValueError(f"--kv-offload-max-bytes {max_bytes} cannot hold one block "
+                             f"({block_nbytes + _HEADER.size} bytes)")
+        self.directory = os.path.abspath(os.path.expanduser(directory))
+        os.makedirs(self.directory, exist_ok=True)
+        self.max_bytes = max_bytes
+        self.block_nbytes = block_nbytes
+        self.hash_root = hash_root
+        self.stats = KVOffloadStats()
+        self.events: TierEvents | None = None  # medium "DISK", set by the KV manager when KV events are on
+        self._queue: queue.Queue = queue.Queue()
+        self._queued_bytes = 0
+        self._lock = threading.Lock()
+        self._tmp_seq = 0
+        self._scan()  # the directory's size, before the first write can push it over the bound
+        self._thread = threading.Thread(target=self._write_loop, name="kv-offload-writer", daemon=True)
+        self._thread.start()
+
+    def path(self, block_hash: BlockHash) -> str:
+        name = block_hash.hex()
+        return os.path.join(self.directory, name[:2], name + SUFFIX)
+
+    # ------------------------------------------------------------------ reads (engine thread)
+
+    def load(self, block_hash: BlockHash) -> bytearray | None:
+        """The block's K/V bytes, or None when no intact file holds them."""
+        path = self.path(block_hash)
+        try:
+            with open(path, "rb") as f:
+                header = f.read(_HEADER.size)
+                payload = bytearray(self.block_nbytes)
+                n = f.readinto(payload)
+                extra = f.read(1)
+        except FileNotFoundError:
+            return None
+        except OSError:
+            self.stats.num_corrupt_blocks += 1
+            return None
+        if len(header) != _HEADER.size or n != self.block_nbytes or extra:
+            return self._corrupt(path)
+        magic, version, stored_hash, length, crc = _HEADER.unpack(header)
+        if (magic != MAGIC or version != VERSION or stored_hash != block_hash or length != self.block_nbytes
+                or zlib.crc32(payload) != crc):
+            return self._corrupt(path)
+        try:
+            os.utime(path)  # recently used: the LRU bound evicts it last
+        except OSError:
+            pass
+        return payload
+
+    def _corrupt(self, path: str) -> None:
+        self.stats.num_corrupt_blocks += 1
+        self._remove(path)  # recomputed and written again
+        return None
+
+    def _remove(self, path: str) -> bool:
+        try:
+            os.unlink(path)
+        except OSError:
+            return False
+        if self.events is not None:
+            self.events.removed([bytes.fromhex(os.path.basename(path).removesuffix(SUFFIX))])
+        return True
+
+    # ------------------------------------------------------------------ writes (writer thread)
+
+    def store(self, record: DiskRecord, payload) -> None:
+        """Queue a full block's K/V (a bytes-like object of block_nbytes, not changed afterwards)."""
+        with self._lock:
+            if self._queued_bytes + self.block_nbytes > MAX_QUEUED_BYTES:
+                self.stats.num_dropped_stores += 1
+                return
+            self._queued_bytes += self.block_nbytes
+        self._queue.put((record, payload))
+
+    def flush(self) -> None:
+        # Returns once every queued block is on disk (tests, benchmarks, shutdown).
+        self._queue.join()
+
+    def close(self) -> None:
+        self.flush()
+        self._queue.put(None)
+        self._thread.join(timeout=5)
+
+    def _write_loop(self) -> None:
+        while (item := self._queue.get()) is not None:
+            try:
+                self._write(*item)
+            except OSError:  # a full or read-only volume: the block stays recomputable, serving goes on
+                pass
+            finally:
+                with self._lock:
+                    self._queued_bytes -= self.block_nbytes
+                self._queue.task_done()
+        self._queue.task_done()
+
+    def _write(self, record: DiskRecord, payload) -> None:
+        block_hash = record.block_hash
+        path = self.path(block_hash)
+        if os.path.exists(path):  # another replica, or an earlier run, wrote it
+            os.utime(path)
+            return
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        self._tmp_seq += 1
+        tmp = f"{path}.{os.getpid()}.{threading.get_native_id()}.{self._tmp_seq}.tmp"
+        header = _HEADER.pack(MAGIC, VERSION, block_hash, len(payload), zlib.crc32(payload))
+        try:
+            with open(tmp, "wb") as f:
+                f.write(header)
+                f.write(payload)
+            os.replace(tmp, path)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+        size = _HEADER.size + len(payload)
+        self.stats.num_stored_blocks += 1
+        self.stats.stored_bytes += len(payload)
+        self.stats.disk_bytes += size
+        if self.events is not None:
+            self.events.stored([block_hash], record.parent_hash, record.token_ids, [record.extra_keys])
+        if self.max_bytes is not None and self.stats.disk_bytes > self.max_bytes:
+            self._evict()
+
+    def _scan(self) -> list[tuple[float, int, str]]:
+        # Every block file as (mtime, size, path); removes dead writers' temporary files on the way.
+        files = []
+        now = time.time()
+        for sub in os.scandir(self.directory):
+            if not sub.is_dir():
+                continue
+            for entry in os.scandir(sub.path):
+                try:
+                    st = entry.stat()
+                except OSError:
+                    continue  # removed by another replica meanwhile
+                if entry.name.endswith(SUFFIX):
+                    files.append((st.st_mtime, st.st_size, entry.path))
+                elif entry.name.endswith(".tmp") and now - st.st_mtime > STALE_TMP_S:
+                    _unlink(entry.path)
+        self.stats.disk_bytes = sum(size for _, size, _ in files)
+        return files
+
+    def _evict(self) -> None:
+        # The directory may be shared: its real size comes from a scan, not from this writer's count.
+        files = sorted(self._scan())
+        total = self.stats.disk_bytes
+        target = int(self.max_bytes * 0.9)
+        for _, size, path in files:
+            if total <= target:
+                break
+            if self._remove(path):
+                self.stats.num_evicted_blocks += 1
+            total -= size
+        self.stats.disk_bytes = total
+
+    def snapshot(self) -> KVOffloadStats:
+        return replace(self.stats)
+
+
+def _unlink(path: str) -> bool:
+    try:
+        os.unlink(path)
+        return True
+    except OSError:
+        return False

@@ -1,0 +1,53 @@
+"""The disk tier's side that touches tensors: open it for a model, copy blocks out for it and back in.
+
+A block's bytes on disk are its K/V in every layer, [num_layers, 2, block_size, num_kv_heads, row] in the
+cache's storage dtype (8-bit caches with their scales), exactly as the pool holds them: loading is a copy,
+never a conversion, so a block read back equals the block that was computed.
+"""
+from __future__ import annotations
+
+import torch
+
+from pagedserve.core.kv_disk import DiskKVStore, check_offload_config, make_disk_hash_root, model_fingerprint
+
+
+def open_disk_tier(config, block_nbytes: int) -> DiskKVStore | None:
+    # None without --kv-offload-dir. config: the EngineConfig with dtype and KV dtype resolved.
+    cache = config.cache
+    if cache.kv_offload_dir is None:
+        return None
+    check_offload_config(config)
+    from pagedserve.model.loader import default_model_path
+
+    m = config.model
+    path = m.model if m.model is not None else default_model_path()
+    root = make_disk_hash_root(model_fingerprint(path, m.load_format), dtype=m.dtype, kv_dtype=cache.cache_dtype,
+                               block_size=cache.block_size, quantization=m.quantization,
+                               attention_backend=m.attention_backend, block_nbytes=block_nbytes)
+    return DiskKVStore(cache.kv_offload_dir, cache.kv_offload_max_bytes, block_nbytes, root)
+
+
+def read_blocks(kv_caches: list[torch.Tensor], block_ids: list[int]) -> list[memoryview]:
+    # One contiguous copy of the blocks, [n, layers, 2, ...] as bytes; each view keeps it alive.
+    ids = torch.tensor(block_ids, device=kv_caches[0].device)
+    out = torch.stack([cache[:, ids] for cache in kv_caches]).permute(2, 0, 1, 3, 4, 5).contiguous().cpu()
+    raw = out.view(torch.uint8).reshape(len(block_ids), -1).numpy()
+    return [memoryview(row) for row in raw]
+
+
+def write_blocks(kv_caches: list[torch.Tensor], loads: list[tuple[int, bytearray]]) -> None:
+    first = kv_caches[0]
+    shape = (len(loads), len(kv_caches), *first[:, 0].shape)  # [n, layers, 2, block_size, heads, row]
+    data = torch.stack([torch.frombuffer(payload, dtype=torch.uint8) for _, payload in loads])
+    blocks = data.view(first.dtype).view(shape).to(first.device).permute(1, 2, 0, 3, 4, 5)
+    ids = torch.tensor([block_id for block_id, _ in loads], device=first.device)
+    for cache, layer in zip(kv_caches, blocks):
+        cache[:, ids] = layer
+
+
+def store_cached_blocks(kv, kv_caches: list[torch.Tensor]) -> None:
+    # After a step: the blocks that became cached go to the disk writer (kv: the KVCacheManager).
+    stores = kv.take_disk_stores()
+    if stores:
+        for record, payload in zip(stores, read_blocks(kv_caches, [r.block_id for r in stores])):
+            kv.disk.store(record, payload)

@@ -1,0 +1,181 @@
+"""The prefix cache's disk tier without a model: file format and checks, LRU bound, and the KV manager's loads."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from pagedserve.core.kv_cache_manager import KVCacheManager
+from pagedserve.core.kv_disk import DiskKVStore, DiskRecord, make_disk_hash_root, model_fingerprint
+from pagedserve.core.kv_events import BlockRemoved, BlockStored, KVEventCollector, external_hash
+from tests.core.helpers import make_request
+
+NBYTES = 64
+ROOT = make_disk_hash_root("test-model", dtype="float32", block_size=4)
+
+
+def payload(i: int) -> bytes:
+    return bytes((i * 7 + j) % 256 for j in range(NBYTES))
+
+
+def record(block_hash: bytes) -> DiskRecord:
+    return DiskRecord(0, block_hash, None, (1, 2, 3, 4), None)
+
+
+def run_prompt(kv: KVCacheManager, req) -> None:
+    hits, _ = kv.get_computed_blocks(req)
+    kv.allocate_slots(req, req.num_tokens - req.num_computed_tokens - len(hits) * kv.block_size, hits)
+    req.num_computed_tokens = req.num_tokens
+    kv.cache_blocks(req)
+
+
+def write_stores(kv: KVCacheManager) -> list[int]:
+    # What the worker does after a step: each newly cached block's bytes go to the writer (here: its id's).
+    stores = kv.take_disk_stores()
+    for rec in stores:
+        kv.disk.store(rec, payload(rec.block_id))
+    kv.disk.flush()
+    return [rec.block_id for rec in stores]
+
+
+def test_second_manager_loads_the_prefix_from_disk(tmp_path):
+    a = KVCacheManager(num_blocks=10, block_size=4, disk=DiskKVStore(str(tmp_path), None, NBYTES, ROOT))
+    req = make_request("a", prompt_len=10)
+    run_prompt(a, req)
+    assert write_stores(a) == [0, 1]                 # the two full blocks; the third is partial
+    # A fresh manager (a restarted engine) on the same directory, whose free queue starts elsewhere.
+    b = KVCacheManager(num_blocks=10, block_size=4, disk=DiskKVStore(str(tmp_path), None, NBYTES, ROOT))
+    b.pool.allocate(3)
+    req = make_request("b", prompt_len=12)           # the same 10 tokens and 2 more
+    hits, num_hit_tokens = b.get_computed_blocks(req)
+    assert hits == [] and num_hit_tokens == 8
+    assert b.allocate_slots(req, 4, hits) == [3, 4, 5]
+    ops = b.take_block_ops()
+    assert [(block_id, bytes(data)) for block_id, data in ops.load] == [(3, payload(0)), (4, payload(1))]
+    assert b.disk.stats.num_loaded_blocks == 2 and b.disk.stats.num_hit_tokens == 8
+    # Loaded blocks are cached in the pool at once and are not written back.
+    assert b.get_computed_blocks(make_request("c", prompt_len=12))[1] == 8
+    req.num_computed_tokens = 12
+    b.cache_blocks(req)
+    assert [rec.block_id for rec in b.take_disk_stores()] == [5]
+
+
+def test_salted_and_unsalted_prefixes_do_not_meet_on_disk(tmp_path):
+    a = KVCacheManager(num_blocks=10, block_size=4, disk=DiskKVStore(str(tmp_path), None, NBYTES, ROOT))
+    req = make_request("a", prompt_len=9)
+    req.cache_salt = "tenant-1"
+    run_prompt(a, req)
+    write_stores(a)
+    b = KVCacheManager(num_blocks=10, block_size=4, disk=DiskKVStore(str(tmp_path), None, NBYTES, ROOT))
+    assert b.get_computed_blocks(make_request("b", prompt_len=9))[1] == 0
+    salted = make_request("c", prompt_len=9)
+    salted.cache_salt = "tenant-1"
+    assert b.get_computed_blocks(salted)[1] == 8
+
+
+def test_a_short_pool_reads_no_more_blocks_than_it_can_take(tmp_path):
+    a = KVCacheManager(num_blocks=10, block_size=4, disk=DiskKVStore(str(tmp_path), None, NBYTES, ROOT))
+    run_prompt(a, make_request("a", prompt_len=17))
+    write_stores(a)
+    b = KVCacheManager(num_blocks=4, block_size=4, disk=DiskKVStore(str(tmp_path), None, NBYTES, ROOT))
+    b.pool.allocate(2)
+    req = make_request("b", prompt_len=17)
+    assert b.get_computed_blocks(req) == ([], 8)    # 2 free blocks: 2 of the 4 on disk are read
+    assert b.allocate_slots(req, 9, []) is None     # and the 3 more it needs are not there
+    assert b.take_block_ops().load == [] and b.disk.stats.num_loaded_blocks == 0
+
+
+def test_corrupt_torn_and_foreign_files_are_misses(tmp_path):
+    store = DiskKVStore(str(tmp_path), None, NBYTES, ROOT)
+    hashes = [bytes([i]) * 32 for i in range(4)]
+    for i, h in enumerate(hashes):
+        store.store(record(h), payload(i))
+    store.flush()
+    assert bytes(store.load(hashes[0])) == payload(0)
+    with open(store.path(hashes[1]), "r+b") as f:   # one flipped bit in the K/V
+        f.seek(-5, os.SEEK_END)
+        byte = f.read(1)
+        f.seek(-5, os.SEEK_END)
+        f.write(bytes([byte[0] ^ 1]))
+    with open(store.path(hashes[2]), "r+b") as f:   # a torn write
+        f.truncate(40)
+    os.replace(store.path(hashes[3]), store.path(hashes[0]))  # a file under another block's name
+    assert [store.load(h) for h in hashes] == [None] * 4
+    assert store.stats.num_corrupt_blocks == 3 and not os.path.exists(store.path(hashes[1]))
+    store.store(record(hashes[1]), payload(1))               # recomputed and written again
+    store.flush()
+    assert bytes(store.load(hashes[1])) == payload(1)
+
+
+def test_byte_bound_evicts_least_recently_used_files(tmp_path):
+    file_bytes = NBYTES + 52
+    store = DiskKVStore(str(tmp_path), 4 * file_bytes, NBYTES, ROOT)
+    hashes = [bytes([i]) * 32 for i in range(6)]
+    for i, h in enumerate(hashes[:4]):
+        store.store(record(h), payload(i))
+        store.flush()
+        os.utime(store.path(h), (1000 + i, 1000 + i))  # written in order, a second apart
+    assert store.load(hashes[0]) is not None       # read: now the most recently used
+    store.store(record(hashes[4]), payload(4))               # 5 files > 4: evict down to 90% (3 files)
+    store.flush()
+    assert [os.path.exists(store.path(h)) for h in hashes[:5]] == [True, False, False, True, True]
+    assert store.stats.num_evicted_blocks == 2 and store.stats.disk_bytes == 3 * file_bytes
+    # A fresh store counts what is already there (another replica's or an earlier run's files).
+    assert DiskKVStore(str(tmp_path), None, NBYTES, ROOT).stats.disk_bytes == 3 * file_bytes
+
+
+def test_hash_root_is_the_same_in_another_process(tmp_path):
+    # Not Python's hash(): a restarted engine (another PYTHONHASHSEED) derives the same root.
+    model = tmp_path / "model.gguf"
+    model.write_bytes(os.urandom(3 << 20))
+    code = ("import sys; from pagedserve.core.kv_disk import make_disk_hash_root, model_fingerprint;"
+            "print(make_disk_hash_root(model_fingerprint(sys.argv[1]), dtype='bfloat16').hex())")
+    env = {**os.environ, "PYTHONHASHSEED": "random"}
+    out = subprocess.run([sys.executable, "-c", code, str(model)], capture_output=True, text=True, check=True,
+                         env=env)
+    assert out.stdout.strip() == make_disk_hash_root(model_fingerprint(str(model)), dtype="bfloat16").hex()
+    assert make_disk_hash_root(model_fingerprint(str(model)), dtype="float32").hex() != out.stdout.strip()
+    with open(model, "r+b") as f:                    # another model: one changed byte in the middle
+        f.seek(3 << 19)
+        f.write(b"\x00\x01")
+    assert make_disk_hash_root(model_fingerprint(str(model)), dtype="bfloat16").hex() != out.stdout.strip()
+
+
+def test_bound_smaller_than_a_block_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="kv-offload-max-bytes"):
+        DiskKVStore(str(tmp_path), NBYTES, NBYTES, ROOT)
+
+
+def test_disk_writes_loads_and_evictions_are_kv_events(tmp_path):
+    events = KVEventCollector(block_size=4)
+    a = KVCacheManager(num_blocks=10, block_size=4, kv_events=events,
+                       disk=DiskKVStore(str(tmp_path), 3 * (NBYTES + 52), NBYTES, ROOT))
+    req = make_request("a", prompt_len=10)
+    req.cache_salt = "s"
+    run_prompt(a, req)
+    h0, h1 = a.req_hashes["a"][:2]
+    write_stores(a)
+    gpu, disk0, disk1 = events.take()
+    assert gpu.medium == "GPU" and gpu.block_hashes == (external_hash(h0), external_hash(h1))
+    assert disk0 == BlockStored((external_hash(h0),), None, tuple(req.prompt_token_ids[:4]), 4, "DISK", (("s",),))
+    assert disk1 == BlockStored((external_hash(h1),), external_hash(h0), tuple(req.prompt_token_ids[4:8]), 4,
+                                "DISK", (None,))
+    # A restarted engine loads both: its pool reports them as stored, like blocks it computed.
+    b = KVCacheManager(num_blocks=10, block_size=4, kv_events=events,
+                       disk=DiskKVStore(str(tmp_path), 3 * (NBYTES + 52), NBYTES, ROOT))
+    again = make_request("b", prompt_len=10)
+    again.cache_salt = "s"
+    hits, _ = b.get_computed_blocks(again)
+    b.allocate_slots(again, 2, hits)
+    assert events.take() == [BlockStored((external_hash(h0), external_hash(h1)), None,
+                                         tuple(req.prompt_token_ids[:8]), 4, "GPU", (("s",), None))]
+    # Two more blocks on disk: 4 files over a bound of 3, the two least recently used go.
+    for h in (h0, h1):
+        os.utime(b.disk.path(h), (1000, 1000))
+    run_prompt(a, make_request("c", prompt_len=8, first_token=500))
+    write_stores(a)
+    removed = [e for e in events.take() if isinstance(e, BlockRemoved)]
+    assert sorted(h for e in removed for h in e.block_hashes) == sorted(map(external_hash, (h0, h1)))
+    assert {e.medium for e in removed} == {"DISK"}
