@@ -269,6 +269,49 @@ class StructuredOutputsConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class KVEventsConfig:
+    """vLLM's --kv-events-config: publish what the prefix cache stores and evicts (engine/kv_event_publisher.py).
+
+    endpoint: a ZMQ address with '*' (or '::', ipc://, inproc://) is bound, as a pod's own port for routers
+    that connect to every replica; any other is connected to, as an endpoint picker's central socket.
+    topic: empty means kv@<pod ip>@<served model name>, the form llm-d's subscriber parses."""
+    enable_kv_cache_events: bool = False
+    publisher: str = "zmq"                # "zmq", or "null" to collect nothing
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: str | None = None    # a ROUTER socket that resends buffered batches from a sequence number
+    buffer_steps: int = 10_000            # batches kept for replay
+    hwm: int = 100_000                    # the PUB socket's high-water mark
+    max_queue_size: int = 100_000         # batches waiting for the publisher thread (the engine blocks beyond)
+    topic: str = ""
+
+    def __post_init__(self) -> None:
+        if self.publisher not in ("zmq", "null"):
+            raise ValueError(f"kv_events_config publisher must be 'zmq' or 'null', got {self.publisher!r}")
+        for name in ("buffer_steps", "hwm", "max_queue_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"kv_events_config {name} must be an integer >= 1, got {value!r}")
+        for name in ("endpoint", "replay_endpoint"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or "://" not in value):
+                raise ValueError(f"kv_events_config {name} must be a ZMQ address like tcp://*:5557, got {value!r}")
+
+    @property
+    def active(self) -> bool:
+        return self.enable_kv_cache_events and self.publisher == "zmq"
+
+    @classmethod
+    def parse(cls, value: "KVEventsConfig | dict | str | None") -> "KVEventsConfig | None":
+        if value is None or isinstance(value, KVEventsConfig):
+            return value
+        value = json_object(value, "kv_events_config")
+        unknown = sorted(set(value) - set(cls.__dataclass_fields__))
+        if unknown:
+            raise ValueError(f"unknown kv_events_config keys {unknown}; known: {sorted(cls.__dataclass_fields__)}")
+        return cls(**value)
+
+
+@dataclass(frozen=True, slots=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -277,6 +320,7 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
+    kv_events: KVEventsConfig | None = None
 
 
 def resolve_limits(config: EngineConfig, model_max_len: int, num_blocks: int) -> EngineConfig:

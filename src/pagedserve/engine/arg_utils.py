@@ -10,7 +10,7 @@ from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
 from pagedserve.config import (ATTENTION_BACKENDS, CHUNKED_PREFILL_BATCHED_TOKENS, DTYPES, LOAD_FORMATS, QUANTIZATIONS,
-                               CacheConfig, DeviceConfig, EngineConfig, ModelConfig, ParallelConfig,
+                               CacheConfig, DeviceConfig, EngineConfig, KVEventsConfig, ModelConfig, ParallelConfig,
                                SchedulerConfig, SpeculativeConfig, StructuredOutputsConfig)
 from pagedserve.core.kv_disk import check_offload_config
 from pagedserve.kv_dtypes import KV_CACHE_DTYPES
@@ -55,6 +55,8 @@ class EngineArgs:
     tensor_parallel_size: int = _default(ParallelConfig, "tensor_parallel_size")
     distributed_timeout: float = _default(ParallelConfig, "distributed_timeout_s")  # seconds
     structured_outputs_compile_timeout: float = _default(StructuredOutputsConfig, "compile_timeout_s")
+    # JSON text, a dict or a KVEventsConfig (vLLM's --kv-events-config); None = no KV events.
+    kv_events_config: KVEventsConfig | dict | str | None = None
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -124,6 +126,9 @@ class EngineArgs:
         g.add_argument("--structured-outputs-compile-timeout", type=float,
                        default=d.structured_outputs_compile_timeout, metavar="S",
                        help="seconds a grammar (JSON schema, regex, ...) may compile before the request is refused")
+        g.add_argument("--kv-events-config", default=None, metavar="JSON",
+                       help='publish prefix-cache stores and evictions over ZMQ in vLLM\'s format, e.g. '
+                            '{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557"} (docs/kv_events.md)')
         return parser
 
     @classmethod
@@ -147,6 +152,7 @@ class EngineArgs:
             device=DeviceConfig(self.device, self.num_threads),
             speculative=SpeculativeConfig.parse(self.speculative_config),
             parallel=ParallelConfig(self.tensor_parallel_size, self.distributed_timeout),
-            structured_outputs=StructuredOutputsConfig(self.structured_outputs_compile_timeout))
+            structured_outputs=StructuredOutputsConfig(self.structured_outputs_compile_timeout),
+            kv_events=KVEventsConfig.parse(self.kv_events_config))
         check_offload_config(config)
         return config

@@ -22,12 +22,14 @@ import torch
 
 from pagedserve.config import EngineConfig, resolve_limits
 from pagedserve.core.kv_cache_manager import KVCacheManager
+from pagedserve.core.kv_events import KVEventCollector
 from pagedserve.core.request import Request, RequestStatus
 from pagedserve.core.scheduler import Scheduler
 from pagedserve.core.scheduler_output import (ModelRunnerOutput, PromptLogprobsChunk, SchedulerOutput,
                                               SpecDecodeOutput)
 from pagedserve.distributed.executor import DistributedRunner
 from pagedserve.distributed.parallel_state import rank_device, threads_per_rank
+from pagedserve.engine.kv_event_publisher import make_publisher
 from pagedserve.engine.output_stream import EngineDeadError, RequestConstraintError
 from pagedserve.metrics.stats import EngineStats, RequestStats
 from pagedserve import kv_dtypes
@@ -113,6 +115,7 @@ class EngineCore:
         if tp_size > 1:
             device = rank_device(device, 0)
         self.executor = start_executor(config, device) if tp_size > 1 else None
+        self.kv_event_publisher = None
         try:
             self._build(config, device)
         except BaseException:
@@ -158,8 +161,11 @@ class EngineCore:
             per_block + (draft_kv.bytes_per_block if draft_kv else 0))
         if config.cache.preemption_mode == "swap" and num_host_blocks == 0:
             raise ValueError("preemption_mode='swap' needs swap_space > 0 (GiB of host memory)")
+        # KV events: the pool records what it caches and evicts; step() hands each step's events to the publisher.
+        self.kv_events = KVEventCollector(bs) if config.kv_events is not None and config.kv_events.active else None
         self.kv = KVCacheManager(num_blocks, bs, config.cache.enable_prefix_caching, num_host_blocks,
-                                 disk=open_disk_tier(config, per_block))
+                                 kv_events=self.kv_events, disk=open_disk_tier(config, per_block))
+        self.kv_event_publisher = make_publisher(config.kv_events, config.model.model or self.model_name)
         self.scheduler = Scheduler(config.scheduler, self.kv, max_len, config.cache.preemption_mode)
         self.runner = ModelRunner(loaded.model, kv_caches, bs, hf.vocab_size, device,
                                   config.scheduler.max_num_seqs, max_len, config.model.seed)
@@ -221,11 +227,13 @@ class EngineCore:
         return drafter
 
     def shutdown(self) -> None:
-        # Stops the tensor-parallel workers and writes out the disk tier's queue.
+        # Stops the tensor-parallel workers, writes out the disk tier's queue, stops the KV event publisher.
         if self.executor is not None:
             self.executor.shutdown()
         if getattr(self, "kv", None) is not None and self.kv.disk is not None:
             self.kv.disk.close()
+        if self.kv_event_publisher is not None:
+            self.kv_event_publisher.shutdown()
 
     @property
     def num_kv_blocks(self) -> int:
@@ -332,6 +340,8 @@ class EngineCore:
         if self.proposer is not None or result.draft_token_ids is not None:
             self._propose(updated, result.draft_token_ids)
         self.stats.record_step(plan, self.scheduler.stats(), time.perf_counter() - t0, num_emitted)
+        if self.kv_event_publisher is not None:
+            self.kv_event_publisher.publish(self.kv_events.take())
         return outputs
 
     def _propose(self, updated: list[Request], draft_token_ids: dict[str, list[int]] | None) -> None:
