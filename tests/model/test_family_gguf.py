@@ -1,82 +1,67 @@
-"""A tiny Qwen3 written as llama.cpp lays it out in a GGUF file loads and equals the same model's safetensors run.
+"""Each family's tiny model written as llama.cpp's converter writes it (tests/model/gguf_writer.py) loads from
+the GGUF file, as blocks and dequantized, and equals transformers' logits of the same model in float32.
 
-The file is written with the gguf package (gguf-py, the writer llama.cpp's converter uses), with llama.cpp's
-tensor names and metadata keys for qwen3, and a byte-level BPE vocabulary of 256 tokens and one merge.
+What the file cannot say is set in the HF config the way llama.cpp would run the file: Gemma's
+query_pre_attn_scalar is head_dim (llama.cpp's rule for shapes other than 27B), Gemma 3 has llama.cpp's
+pattern of five sliding layers and one global, Qwen3 has no window.
 """
 from __future__ import annotations
 
-import gguf
-import numpy as np
 import pytest
 import torch
 
 from pagedserve.model.loader import load_model
+from tests.model.gguf_writer import BPE_TOKENS, SPM_TOKENS, write_gguf
 from tests.model.test_families import family_config
 from tests.paged_metadata import run_paged_schedule
 from tests.tiny_models import random_hf_model
 
-# HF name inside model.layers.N -> llama.cpp's blk.N name (qwen3: no q/k row permutation).
-_LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-          "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-          "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
-          "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
-_GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-           "lm_head.weight": "output.weight"}
+_CONFIGS = {
+    "qwen3": lambda: family_config("qwen3", vocab_size=len(BPE_TOKENS), use_sliding_window=False,
+                                   sliding_window=None, layer_types=["full_attention"] * 2),
+    "gemma2": lambda: family_config("gemma2", vocab_size=len(SPM_TOKENS), query_pre_attn_scalar=16),
+    "gemma3": lambda: _gemma3_six_layers(),
+    "phi3": lambda: family_config("phi3", vocab_size=len(SPM_TOKENS)),
+}
 
 
-def _gguf_name(hf_name: str) -> str:
-    if hf_name in _GLOBAL:
-        return _GLOBAL[hf_name]
-    _, _, layer, rest = hf_name.split(".", 3)
-    module, suffix = rest.rsplit(".", 1)
-    return f"blk.{layer}.{_LAYER[module]}.{suffix}"
+def _gemma3_six_layers():
+    config = family_config("gemma3", vocab_size=len(SPM_TOKENS), query_pre_attn_scalar=16)
+    config.num_hidden_layers, config.sliding_window_pattern = 6, 6
+    config.layer_types = ["sliding_attention"] * 5 + ["full_attention"]
+    return config
 
 
-# GPT-2's printable stand-ins for the 256 byte values, in byte order.
-_BYTE_CHARS = [*range(33, 127), *range(161, 173), *range(174, 256)]
-_BYTE_CHARS += [256 + i for i in range(256 - len(_BYTE_CHARS))]
-
-
-def write_qwen3_gguf(path: str, hf_model, config) -> None:
-    w = gguf.GGUFWriter(path, "qwen3")
-    w.add_block_count(config.num_hidden_layers)
-    w.add_context_length(config.max_position_embeddings)
-    w.add_embedding_length(config.hidden_size)
-    w.add_feed_forward_length(config.intermediate_size)
-    w.add_head_count(config.num_attention_heads)
-    w.add_head_count_kv(config.num_key_value_heads)
-    w.add_key_length(config.head_dim)
-    w.add_value_length(config.head_dim)
-    w.add_rope_freq_base(config.rope_parameters["rope_theta"])
-    w.add_layer_norm_rms_eps(config.rms_norm_eps)
-    tokens = [chr(c) for c in _BYTE_CHARS] + ["\u0120t"]  # GPT-2's byte alphabet, then "Ġt"
-    w.add_tokenizer_model("gpt2")
-    w.add_token_list(tokens)
-    w.add_token_types([1] * len(tokens))
-    w.add_token_merges(["\u0120 t"])
-    w.add_bos_token_id(0)
-    w.add_eos_token_id(1)
-    for name, tensor in hf_model.state_dict().items():
-        w.add_tensor(_gguf_name(name), tensor.numpy().astype(np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+def _logit_diff(loaded, hf_model, ids: list[list[int]], chunks: list[list[int]]) -> float:
+    got = run_paged_schedule(loaded.model, ids, chunks, block_size=16)
+    with torch.no_grad():
+        return max((g - hf_model(torch.tensor([t])).logits[0]).abs().max().item() for t, g in zip(ids, got))
 
 
 @pytest.mark.parametrize("quantization", ["gguf", "none"])
-def test_qwen3_gguf_matches_transformers(quantization: str, model_cache) -> None:
-    # The GGUF format has no field for Qwen's sliding window: the tiny model attends to everything.
-    config = family_config("qwen3", vocab_size=257, use_sliding_window=False, sliding_window=None,
-                           layer_types=["full_attention"] * 2)
+@pytest.mark.parametrize("arch", ["qwen3", "gemma2", "gemma3", "phi3"])
+def test_family_gguf_matches_transformers(arch: str, quantization: str, model_cache) -> None:
+    config = _CONFIGS[arch]()
     hf_model = random_hf_model(config)
-    path = str(model_cache / "tiny-qwen3.gguf")
-    write_qwen3_gguf(path, hf_model, config)
+    path = str(model_cache / f"tiny-{arch}.gguf")
+    write_gguf(path, arch, hf_model, config)
     loaded = load_model(path, quantization=quantization)
-    assert loaded.hf_config.head_dim == 32 and loaded.model.head_dim == 32  # not hidden / heads = 16
-    assert loaded.tokenizer.encode(" t", add_special_tokens=False) == [256]  # the one merge
-    ids = torch.randint(0, 257, (30,), generator=torch.Generator().manual_seed(4)).tolist()
-    got = run_paged_schedule(loaded.model, [ids], [[13, 14, 1, 1, 1]], block_size=16)[0]
-    with torch.no_grad():
-        diff = (got - hf_model(torch.tensor([ids])).logits[0]).abs().max().item()
-    assert diff < 1e-4, f"max abs logit diff {diff}"
+    assert loaded.quantization == quantization
+    if arch == "qwen3":
+        assert loaded.hf_config.head_dim == 32 and loaded.model.head_dim == 32  # not hidden / heads = 16
+        assert loaded.tokenizer.encode(" t", add_special_tokens=False) == [256]  # the one merge
+    else:
+        assert loaded.tokenizer.convert_tokens_to_ids("\u2581t") == len(SPM_TOKENS) - 1
+    assert loaded.model.family == type(loaded.model.family)(**{  # every switch as from the HF config
+        f: getattr(_family_of(config), f) for f in loaded.model.family.__slots__})
+    vocab = config.vocab_size
+    gen = torch.Generator().manual_seed(4)
+    ids = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (30, 21)]
+    diff = _logit_diff(loaded, hf_model, ids, [[13, 14, 1, 1, 1], [16, 2, 1, 1, 1]])
+    assert diff < 1e-4, f"{arch} ({quantization}): max abs logit diff {diff}"
+
+
+def _family_of(config):
+    from pagedserve.model.family import decoder_family
+
+    return decoder_family(config)

@@ -28,6 +28,8 @@ _STRING, _ARRAY = 8, 9
 # allocated from them: a tensor info claiming 2^28 dims would otherwise build a 2 GB unpack format first.
 MAX_DIMS = 4
 MAX_DIM = 1 << 40
+# Numeric arrays up to this length are kept (per-layer values); longer ones (token scores, types) are skipped.
+_KEPT_ARRAY_LEN = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,7 +44,7 @@ class TensorInfo:
 @dataclass(slots=True)
 class GGUFFile:
     path: str
-    fields: dict[str, object]  # scalar and string metadata (arrays are skipped)
+    fields: dict[str, object]  # scalar and string metadata, short numeric arrays as lists (others skipped)
     tensors: list[TensorInfo]
 
     def read(self, t: TensorInfo) -> np.ndarray:
@@ -90,6 +92,8 @@ def _parse(path: str) -> GGUFFile:
             elem, count = unpack("IQ")
             # Every element takes at least one byte.
             bounded(count, size - f.tell(), f"the element count of metadata array {key!r}")
+            if elem in _SCALAR_FMT and count <= _KEPT_ARRAY_LEN:  # per-layer settings (a window pattern)
+                return list(unpack(_SCALAR_FMT[elem] * count))
             if elem in _SCALAR_FMT:  # fixed-size elements: one seek
                 f.seek(struct.calcsize(_SCALAR_FMT[elem]) * count, os.SEEK_CUR)
             else:

@@ -13,15 +13,18 @@ import logging
 import numpy as np
 import torch
 
+from pagedserve.model.gguf_config import FAMILY_ARCHITECTURES
 from pagedserve.model.gguf_file import GGUFFile
 from pagedserve.model.layers.gguf_quant import GGUF_BLOCK_TYPES, GGUFWeight, concat_rows, gguf_dequantize, row_bytes
 from pagedserve.model.layers.linear import Linear
 
 logger = logging.getLogger(__name__)
 
-# llama.cpp architecture names we can serve; Mistral GGUFs use "llama". Gemma and Phi-3 files are not read yet:
-# transformers' GGUF config reader drops their soft-capping, window pattern and longrope settings.
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+# llama.cpp architecture names we can serve; Mistral GGUFs use "llama". For gemma2, gemma3 and phi3 the
+# config is completed from llama.cpp's keys (model/gguf_config.py).
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", *FAMILY_ARCHITECTURES)
+# Gemma's norm weights hold 1 + w in a GGUF file (llama.cpp's converter adds the 1), as our layers keep them.
+NORMS_HOLD_OFFSET = ("gemma2", "gemma3")
 # GGUF per-layer tensor name -> HF name inside model.layers.N
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
@@ -29,10 +32,18 @@ _LAYER_NAMES = {
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
+# Where a family's layer differs: Gemma's four norms around the branches; Phi-3's fused [q | k | v] and
+# [gate | up] (llama.cpp keeps both fused: attn_qkv, and ffn_up of 2 x intermediate rows).
+_ARCH_LAYER_NAMES = {
+    "gemma": {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
+              "post_ffw_norm": "post_feedforward_layernorm"},
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+}
+_ARCH_LAYER_NAMES["gemma2"] = _ARCH_LAYER_NAMES["gemma3"] = _ARCH_LAYER_NAMES.pop("gemma")
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                  "output.weight": "lm_head.weight"}
-# Precomputed llama3 rope frequencies; our rotary derives them from the config instead.
-SKIPPED = ("rope_freqs.weight",)
+# Precomputed llama3 rope frequencies, Phi-3's longrope factors: our rotary takes them from the config.
+SKIPPED = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 # Our fused linears and the HF tensors whose rows they stack, in order (model/llama.py).
 _FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
           "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
@@ -49,12 +60,14 @@ def check_finite_scales(name: str, qtype: int, rows: np.ndarray, block_bytes: in
             raise ValueError(f"GGUF tensor {name} in {path} has non-finite (NaN or inf) scales")
 
 
-def hf_name(gguf_name: str) -> str | None:
+def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     parts = gguf_name.split(".")  # blk.N.attn_q.weight
-    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    layer_names = _ARCH_LAYER_NAMES.get(arch, {})
+    module = layer_names.get(parts[2], _LAYER_NAMES.get(parts[2])) if len(parts) == 4 else None
+    if parts[0] == "blk" and module is not None:
+        return f"model.layers.{parts[1]}.{module}.{parts[3]}"
     return None
 
 
@@ -85,7 +98,7 @@ def dense_tensors(tensors, arch: str, hf_config, path: str):
     for gguf_name, qtype, data in tensors:
         if gguf_name in SKIPPED:
             continue
-        name = _checked_name(gguf_name, path)
+        name = _checked_name(gguf_name, arch, path)
         try:
             weight = torch.from_numpy(dequantize(data, qtype).astype("float32"))  # owned copy
         except Exception as e:  # noqa: BLE001
@@ -96,8 +109,8 @@ def dense_tensors(tensors, arch: str, hf_config, path: str):
         yield name, (weight if heads is None else unpermute_qk(weight, heads)).contiguous()
 
 
-def _checked_name(gguf_name: str, path: str) -> str:
-    name = hf_name(gguf_name)
+def _checked_name(gguf_name: str, arch: str, path: str) -> str:
+    name = hf_name(gguf_name, arch)
     if name is None:
         raise ValueError(f"unexpected tensor {gguf_name!r} in GGUF {path}")
     return name
@@ -105,7 +118,8 @@ def _checked_name(gguf_name: str, path: str) -> str:
 
 def linear_sources(model):
     # (Linear, the checkpoint modules whose weight rows it stacks, in order) for each linear of `model`:
-    # (qkv_proj, [model.layers.N.self_attn.q_proj, ...k_proj, ...v_proj]), (lm_head, [lm_head]).
+    # (qkv_proj, [model.layers.N.self_attn.q_proj, ...k_proj, ...v_proj]), (lm_head, [lm_head]). A file
+    # that stores the fused tensor itself (Phi-3) has it under the linear's own name.
     for module_name, m in model.named_modules():
         if isinstance(m, Linear):
             parts = module_name.split(".")
@@ -131,7 +145,7 @@ def load_gguf_blocks(model, gguf: GGUFFile, hf_config) -> None:
     for t in gguf.tensors:
         if t.name in SKIPPED:
             continue
-        name = _checked_name(t.name, path)
+        name = _checked_name(t.name, arch, path)
         data = gguf.read(t).reshape(*reversed(t.shape[1:]), -1)  # rows of bytes, outermost dim first
         if t.qtype in GGUF_BLOCK_TYPES and name.endswith(".weight") and len(t.shape) == 2:
             if data.shape[1] != row_bytes(t.qtype, t.shape[0]):
@@ -144,7 +158,12 @@ def load_gguf_blocks(model, gguf: GGUFFile, hf_config) -> None:
         else:
             dense.extend(dense_tensors([(t.name, GGMLQuantizationType(t.qtype), data)], arch, hf_config, path))
 
+    module_names = {id(m): name for name, m in model.named_modules()}
     for m, sources in linear_sources(model):
+        fused = blocks.pop(f"{module_names[id(m)]}.weight", None) if len(sources) > 1 else None
+        if fused is not None:  # rows already [q | k | v] or [gate | up], as the layer stacks them
+            set_blocks(m, fused)
+            continue
         found = [blocks.pop(f"{s}.weight", None) for s in sources]
         if all(w is not None for w in found):
             set_blocks(m, concat_rows(found))
@@ -159,5 +178,6 @@ def load_gguf_blocks(model, gguf: GGUFFile, hf_config) -> None:
         blocks.pop("lm_head.weight", None)  # tied checkpoints sometimes still store a copy
     if blocks:
         raise ValueError(f"GGUF tensors with no matching layer in {path}: {sorted(blocks)[:5]}")
-    model.load_weights(dense)
+    model.load_weights(dense, norms_hold_offset=arch in NORMS_HOLD_OFFSET)
+
 

@@ -131,10 +131,12 @@ class LlamaForCausalLM(nn.Module):
         return len(self._shard_sizes.get(param_name.split(".")[-2], [param_name]))
 
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], norms_hold_offset: bool = False) -> None:
+        # norms_hold_offset: the norm weights come with Gemma's 1 + w already in them (a GGUF file's).
         params = dict(self.named_parameters())
         loaded: set[tuple[str, int]] = set()
-        offset = self.family.norm_weight_offset  # Gemma: the norm weights hold 1 + w (model/family.py)
+        # Gemma: the norm weights hold 1 + w (model/family.py)
+        offset = 0.0 if norms_hold_offset else self.family.norm_weight_offset
         for hf_name, tensor in split_fused_weights(weights, self.config):
             if hf_name.endswith(_IGNORED_SUFFIXES):
                 continue

@@ -44,7 +44,9 @@ from pagedserve.malloc import release_free_memory
 from pagedserve.model.dummy_weights import init_dummy_weights
 from pagedserve.model.family import split_fused_weights
 from pagedserve.model.gguf_file import open_gguf_file
-from pagedserve.model.gguf_weights import GGUF_ARCHITECTURES, dense_tensors, load_gguf_blocks, unpermute_qk
+from pagedserve.model.gguf_config import complete_config
+from pagedserve.model.gguf_weights import (GGUF_ARCHITECTURES, NORMS_HOLD_OFFSET, dense_tensors, load_gguf_blocks,
+                                           unpermute_qk)
 from pagedserve.model.hf_config import HFConfig, read_config
 from pagedserve.model.hf_quant import (HFQuantScheme, checkpoint_quantization, dequantized_checkpoint,
                                        load_quantized_checkpoint)
@@ -59,6 +61,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 GGUF_MAGIC = b"GGUF"
+# Safetensors metadata of a GGUF's dequantized weights whose norms hold Gemma's 1 + w.
+_NORMS_KEY = "pagedserve.norm_weights"
+
+
 @dataclass(slots=True)
 class LoadedModel:
     model: nn.Module
@@ -202,13 +208,14 @@ def _load_hf_dir(path: str, model_name: str, device: torch.device, dtype: torch.
         elif hf_quant is not None:
             model.load_weights(dequantized_checkpoint(_iter_safetensors(files), hf_quant))
         else:
-            model.load_weights(_iter_safetensors(files))
+            model.load_weights(_iter_safetensors(files), norms_hold_offset=_norms_hold_offset(files))
     else:
         weights = (_iter_safetensors(files, lazy=True) if hf_quant is None
                    else dequantized_checkpoint(_iter_safetensors(files), hf_quant))
         # Fused checkpoint tensors (Phi-3) are split by the full model's sizes before each rank takes its rows.
         weights = split_fused_weights(weights, hf_config)
-        model.load_weights(shard_weights(weights, tp, hf_config.vocab_size))
+        model.load_weights(shard_weights(weights, tp, hf_config.vocab_size),
+                           norms_hold_offset=_norms_hold_offset(files))
     return LoadedModel(model=model.eval(), hf_config=hf_config, tokenizer=tokenizer,
                        chat_template=getattr(tokenizer, "chat_template", None),
                        eos_token_ids=_eos_token_ids(path, hf_config, tokenizer),
@@ -244,6 +251,14 @@ def _iter_safetensors(files: list[str], lazy: bool = False) -> Iterator[tuple[st
         with safe_open(file, framework="pt", device="cpu") as f:
             for name in f.keys():
                 yield name, f.get_slice(name) if lazy else f.get_tensor(name)
+
+
+def _norms_hold_offset(files: list[str]) -> bool:
+    # A GGUF file's Gemma norms dequantized into the cache keep the file's 1 + w (_convert_gguf marks them).
+    from safetensors import safe_open
+
+    with safe_open(files[0], framework="pt", device="cpu") as f:
+        return (f.metadata() or {}).get(_NORMS_KEY) == "1+w"
 
 
 def _eos_token_ids(path: str, hf_config, tokenizer) -> list[int]:
@@ -283,10 +298,11 @@ def _convert_gguf(path: str, cache_dir: str, weights: bool = True) -> None:
         arch = _gguf_arch(reader, path)
         logger.info("dequantizing %s into %s (one-time; later loads read the cache)", path, cache_dir)
         state = _gguf_state_dict(reader, arch, read_config(cache_dir), path)
+        metadata = {"format": "pt"} | ({_NORMS_KEY: "1+w"} if arch in NORMS_HOLD_OFFSET else {})
         fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".safetensors", dir=cache_dir)
         os.close(fd)
         try:
-            save_file(state, tmp, metadata={"format": "pt"})
+            save_file(state, tmp, metadata=metadata)
             os.replace(tmp, os.path.join(cache_dir, "model.safetensors"))
         finally:
             if os.path.exists(tmp):
@@ -307,11 +323,13 @@ def _write_gguf_metadata(path: str, cache_dir: str) -> None:
         with open(config_file, encoding="utf-8") as f:
             config = json.load(f)
         config["architectures"] = [resolve_architecture(HFConfig(**config))]
-        # transformers reads no head_dim for some architectures (qwen3) and derives hidden / heads instead.
-        fields = open_gguf_file(path).fields
-        key_length = fields.get(f"{fields.get('general.architecture')}.attention.key_length")
+        # transformers reads no head_dim for some architectures (qwen3) and derives hidden / heads instead,
+        # and none of the settings that make Gemma or Phi-3 what they are (model/gguf_config.py).
+        gguf = open_gguf_file(path)
+        key_length = gguf.fields.get(f"{gguf.fields.get('general.architecture')}.attention.key_length")
         if key_length is not None:
             config["head_dim"] = int(key_length)
+        config = complete_config(config, gguf)
         with open(config_file, "w", encoding="utf-8") as f:
             f.write(json.dumps(config, indent=2, sort_keys=True) + "\n")  # as transformers' save_pretrained
         with open(os.path.join(tmp, "source.json"), "w") as f:
