@@ -29,8 +29,11 @@ def open_disk_tier(config, block_nbytes: int) -> DiskKVStore | None:
 
 def read_blocks(kv_caches: list[torch.Tensor], block_ids: list[int]) -> list[memoryview]:
     # One contiguous copy of the blocks, [n, layers, 2, ...] as bytes; each view keeps it alive.
-    ids = torch.tensor(block_ids, device=kv_caches[0].device)
-    out = torch.stack([cache[:, ids] for cache in kv_caches]).permute(2, 0, 1, 3, 4, 5).contiguous().cpu()
+    first = kv_caches[0]
+    ids = torch.tensor(block_ids, device=first.device)
+    out = torch.empty((len(block_ids), len(kv_caches), *first[:, 0].shape), dtype=first.dtype)
+    for layer, cache in enumerate(kv_caches):  # index_select then one strided copy: the fastest of the ways tried
+        out[:, layer].copy_(cache.index_select(1, ids).transpose(0, 1))
     raw = out.view(torch.uint8).reshape(len(block_ids), -1).numpy()
     return [memoryview(row) for row in raw]
 
