@@ -217,6 +217,7 @@ def test_api_key_required(keyed_server):
     assert_openai_error(httpx.post(f"{keyed_server.url}/tokenize", json={"prompt": "x"}), 401)
     # Probes and scrapers stay open.
     assert httpx.get(f"{keyed_server.url}/health").status_code == 200
+    assert httpx.get(f"{keyed_server.url}/ready").status_code == 200
     assert httpx.get(f"{keyed_server.url}/metrics").status_code == 200
 
     good = openai.OpenAI(base_url=base, api_key=API_KEY, max_retries=0)

@@ -14,8 +14,9 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from tests.server.helpers import ServerProcess  # noqa: E402
 
 # Requests with a body, in schema-valid and schema-breaking forms; the GETs take no input at all.
-POSTS = ["POST /v1/completions", "POST /v1/chat/completions", "POST /tokenize", "POST /detokenize"]
-GETS = ["GET /v1/models", "GET /health", "GET /version", "GET /metrics", "GET /debug/kv"]
+POSTS = ["POST /v1/completions", "POST /v1/chat/completions", "POST /tokenize", "POST /detokenize",
+         "POST /v1/completions/render", "POST /v1/chat/completions/render"]
+GETS = ["GET /v1/models", "GET /health", "GET /ready", "GET /version", "GET /metrics", "GET /debug/kv"]
 EXAMPLES = 20  # per operation and mode
 
 

@@ -28,6 +28,7 @@ from pagedserve.server.protocol import (ChatCompletionRequest, CompletionRequest
                                         TokenizeResponse)
 from pagedserve.server.serving_chat import OpenAIServingChat
 from pagedserve.server.serving_completion import OpenAIServingCompletion
+from pagedserve.server.serving_render import register_render_routes
 from pagedserve.server.streaming import ClientDisconnected, json_response
 
 logger = logging.getLogger(__name__)
@@ -125,6 +126,8 @@ def build_app(engine: AsyncLLMEngine, args: Any) -> FastAPI:
     async def create_chat_completion(req: ChatCompletionRequest, raw_request: Request) -> Response:
         return await chat.create(req, raw_request)
 
+    register_render_routes(app, completion, chat)
+
     @app.get("/v1/models")
     async def list_models() -> Response:
         cards = [ModelCard(id=name, root=model_path or engine.model_name, max_model_len=engine.max_model_len)
@@ -137,6 +140,14 @@ def build_app(engine: AsyncLLMEngine, args: Any) -> FastAPI:
             return Response(status_code=200)
         return OpenAIError(f"the engine is stopped, or its engine or tokenizer thread has been stuck in one step "
                            f"for over {max_stall_s:g}s", 503).response()
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        # Readiness (the Helm chart's probe, so the Service and the gateway's endpoint picker route here): the
+        # model is loaded and the engine takes requests. Once a shutdown starts, new connections are refused.
+        if engine.is_healthy(max_stall_s):
+            return JSONResponse({"status": "ready"})
+        return OpenAIError("not ready: the engine is stopped or stuck", 503).response()
 
     @app.get("/version")
     async def version() -> Response:

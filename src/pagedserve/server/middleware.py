@@ -20,7 +20,7 @@ from pagedserve.server.errors import OpenAIError
 
 # Probes and scrapers carry no key; the dashboard's login form is how a browser gets one in.
 DASHBOARD_LOGIN_PATH = "/dashboard/login"
-OPEN_PATHS = frozenset({"/health", "/metrics", DASHBOARD_LOGIN_PATH})
+OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", DASHBOARD_LOGIN_PATH})
 # A browser opening a URL cannot send an Authorization header, so the dashboard's read-only GETs also take a
 # session token from the cookie the login form sets (HttpOnly, SameSite=Strict: other sites can neither read
 # nor send it; Secure behind TLS). The token is "<expiry>.<HMAC of the expiry under the key>": it expires, and

@@ -9,7 +9,7 @@ from fastapi.responses import Response
 
 from pagedserve.engine.async_engine import OutputStream
 from pagedserve.outputs import Logprob, RequestOutput
-from pagedserve.sampling_params import RequestOutputKind
+from pagedserve.sampling_params import RequestOutputKind, SamplingParams
 from pagedserve.server.context import ServerContext, random_id, usage_of
 from pagedserve.server.errors import OpenAIError
 from pagedserve.server.prompt_logprobs import prompt_logprobs_field
@@ -56,7 +56,8 @@ class OpenAIServingChat:
     def __init__(self, ctx: ServerContext) -> None:
         self.ctx = ctx
 
-    async def create(self, req: ChatCompletionRequest, raw_request: Request) -> Response:
+    async def prepare(self, req: ChatCompletionRequest) -> tuple[SamplingParams, dict[str, Any]]:
+        # The checks, the sampling parameters and the rendered prompt; /v1/chat/completions/render stops here.
         self.ctx.limits.check_samples(req.n)
         self.ctx.check_model(req.model)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -74,11 +75,17 @@ class OpenAIServingChat:
             template_kwargs["tools"] = [t.model_dump(exclude_none=True) for t in req.tools]
         if req.documents:
             template_kwargs["documents"] = req.documents
-        request_id = random_id("chatcmpl")
         engine = self.ctx.engine
         prompt = await engine.run_processor(
             chat_prompt(messages, req.add_generation_prompt, req.cache_salt, template_kwargs))
         self.ctx.limits.check_tokens([len(prompt["prompt_token_ids"])], max_tokens, req.n, engine.max_model_len)
+        return params, prompt
+
+    async def create(self, req: ChatCompletionRequest, raw_request: Request) -> Response:
+        params, prompt = await self.prepare(req)
+        num_top = req.top_logprobs or 0
+        request_id = random_id("chatcmpl")
+        engine = self.ctx.engine
         stream = await engine.add_request(request_id, prompt, params)
         created = int(time.time())
         if req.stream:

@@ -10,7 +10,7 @@ from fastapi.responses import Response
 
 from pagedserve.engine.async_engine import OutputStream
 from pagedserve.outputs import Logprob, RequestOutput
-from pagedserve.sampling_params import RequestOutputKind
+from pagedserve.sampling_params import RequestOutputKind, SamplingParams
 from pagedserve.server.context import ServerContext, random_id, usage_of
 from pagedserve.server.errors import OpenAIError
 from pagedserve.server.prompt_logprobs import prompt_logprobs_field
@@ -84,7 +84,9 @@ class OpenAIServingCompletion:
     def __init__(self, ctx: ServerContext) -> None:
         self.ctx = ctx
 
-    async def create(self, req: CompletionRequest, raw_request: Request) -> Response:
+    async def prepare(self, req: CompletionRequest) -> tuple[SamplingParams, list[tuple[str | None, list[int], str]]]:
+        # Everything before the engine: the checks, the sampling parameters and each prompt's
+        # (text, token ids, echo text). /v1/completions/render stops here.
         limits = self.ctx.limits
         num_samples = req.best_of or req.n
         limits.check_samples(req.n, req.best_of)
@@ -93,7 +95,6 @@ class OpenAIServingCompletion:
         self.ctx.check_model(req.model)
         params = req.to_sampling_params(req.max_tokens, req.logprobs, req.best_of, req.num_prompt_logprobs)
         params.output_kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
-        request_id = random_id("cmpl")
         engine = self.ctx.engine
 
         def tokenize(proc: Any) -> list[tuple[str | None, list[int], str]]:
@@ -109,8 +110,14 @@ class OpenAIServingCompletion:
         tokenized = await engine.run_processor(tokenize)
         limits.check_tokens([len(ids) for _, ids, _ in tokenized], req.max_tokens, num_samples,
                             engine.max_model_len)
+        return params, tokenized
+
+    async def create(self, req: CompletionRequest, raw_request: Request) -> Response:
+        params, tokenized = await self.prepare(req)
+        request_id = random_id("cmpl")
+        engine = self.ctx.engine
         echo_texts = [echo for _, _, echo in tokenized]
-        sub_ids = [f"{request_id}-{i}" for i in range(len(prompts))]
+        sub_ids = [f"{request_id}-{i}" for i in range(len(tokenized))]
         stream = await engine.add_requests([(rid, tokenized_prompt(text, ids, req.cache_salt), params)
                                             for rid, (text, ids, _) in zip(sub_ids, tokenized)])
         created = int(time.time())
