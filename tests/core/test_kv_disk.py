@@ -179,3 +179,17 @@ def test_disk_writes_loads_and_evictions_are_kv_events(tmp_path):
     removed = [e for e in events.take() if isinstance(e, BlockRemoved)]
     assert sorted(h for e in removed for h in e.block_hashes) == sorted(map(external_hash, (h0, h1)))
     assert {e.medium for e in removed} == {"DISK"}
+
+
+def test_replicas_writing_one_directory_at_once(tmp_path):
+    # Two engines' writers race on the same blocks: every file ends whole, no temporary file is left.
+    stores = [DiskKVStore(str(tmp_path), None, NBYTES, ROOT) for _ in range(2)]
+    hashes = [bytes([i]) * 32 for i in range(40)]
+    for store in stores:
+        for i, h in enumerate(hashes):
+            store.store(record(h), payload(i))
+    for store in stores:
+        store.flush()
+    assert [bytes(stores[i % 2].load(h)) for i, h in enumerate(hashes)] == [payload(i) for i in range(40)]
+    assert sorted(p.suffix for p in tmp_path.rglob("*") if p.is_file()) == [".kv"] * 40
+    assert sum(s.stats.num_stored_blocks for s in stores) >= 40

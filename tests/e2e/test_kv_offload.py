@@ -127,3 +127,12 @@ def test_unsupported_configs_are_refused(tmp_path, kwargs, match):
 def test_bound_without_directory_is_refused():
     with pytest.raises(ValueError, match="kv-offload-dir"):
         EngineArgs(kv_offload_max_bytes=1 << 20).create_engine_config()
+
+
+def test_cli_flags_reach_the_config(tmp_path):
+    import argparse
+
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    args = parser.parse_args(["--kv-offload-dir", str(tmp_path), "--kv-offload-max-bytes", "1000000"])
+    cache = EngineArgs.from_cli_args(args).create_engine_config().cache
+    assert (cache.kv_offload_dir, cache.kv_offload_max_bytes) == (str(tmp_path), 1000000)
