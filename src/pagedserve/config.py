@@ -131,10 +131,18 @@ class SchedulerConfig:
     # None until resolve_limits: CHUNKED_PREFILL_BATCHED_TOKENS, or max_model_len if larger and chunking is off.
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
+    # "fcfs" or "priority" (requests' `priority`, lower first); core/scheduling_policy.py, docs/scheduling.md.
+    scheduling_policy: str = "fcfs"
+    # Under "priority", a request that has waited this many steps ranks one level more urgent (no starvation).
+    priority_aging_steps: int = 100
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
+        if self.priority_aging_steps < 1:
+            raise ValueError(f"priority_aging_steps must be >= 1, got {self.priority_aging_steps}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
 

@@ -32,7 +32,8 @@ class LLM:
 
     def generate(self, prompts: PromptInput | Sequence[PromptInput],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: int | Sequence[int] | None = None) -> list[RequestOutput]:
+        # priority (vLLM's): one per prompt, lower first; needs scheduling_policy="priority".
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
                                                  and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -48,7 +49,7 @@ class LLM:
         engine = self.llm_engine
         ids = [engine.next_request_id() for _ in prompts]
         try:
-            engine.add_requests(list(zip(ids, prompts, params_list)))
+            engine.add_requests(list(zip(ids, prompts, params_list)), priority=0 if priority is None else priority)
         except Exception:
             engine.abort_request(ids)
             raise

@@ -35,3 +35,24 @@ def test_greedy_is_invariant(reference, kwargs):
     assert engine.kv.pool.num_free_blocks == engine.kv.num_blocks
     if "num_gpu_blocks_override" in kwargs:
         assert engine.scheduler.num_preemptions_total > 0
+
+
+def test_priority_policy_serves_urgent_first_and_keeps_greedy_outputs(reference):
+    # Two at a time in a small pool: the most urgent prompts (lowest priority value) start first, preempting
+    # less urgent ones where the pool runs short; every answer stays the one computed alone.
+    llm = LLM(kv_cache_memory_bytes=16 << 20, num_gpu_blocks_override=12, block_size=4, max_num_seqs=2,
+              scheduling_policy="priority")
+    priorities = [3, 2, 1, 0, -1, -2]
+    outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False, priority=priorities)
+    assert [o.outputs[0].token_ids for o in outs] == reference
+    scheduled = [o.metrics.scheduled_time for o in outs]
+    assert sorted(range(len(PROMPTS)), key=scheduled.__getitem__) == [5, 4, 3, 2, 1, 0]
+    engine = llm.llm_engine
+    assert engine.kv.pool.num_free_blocks == engine.kv.num_blocks
+    with pytest.raises(ValueError, match="got 6 prompts but 2 priorities"):
+        llm.generate(PROMPTS, PARAMS, use_tqdm=False, priority=[0, 1])
+
+
+def test_priority_needs_the_priority_policy(llm):
+    with pytest.raises(ValueError, match="priority scheduling is not enabled"):
+        llm.generate("hi", PARAMS, use_tqdm=False, priority=[1])

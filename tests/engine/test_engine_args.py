@@ -34,7 +34,8 @@ def test_cli_flags_reach_the_config():
                   "--num-gpu-blocks-override", "40", "--no-enable-prefix-caching", "--swap-space", "0.5",
                   "--preemption-mode", "swap", "--max-num-seqs", "3", "--max-num-batched-tokens", "300",
                   "--no-enable-chunked-prefill", "--device", "cpu", "--num-threads", "2",
-                  "--attention-backend", "reference", "--chat-template", "t.jinja")
+                  "--attention-backend", "reference", "--chat-template", "t.jinja", "--scheduling-policy", "priority",
+                  "--priority-aging-steps", "7")
     c = EngineArgs.from_cli_args(args).create_engine_config()
     assert (c.model.model, c.model.tokenizer, c.model.max_model_len, c.model.dtype, c.model.seed) == \
         ("m.gguf", "tok", 300, "bfloat16", 7)
@@ -43,6 +44,7 @@ def test_cli_flags_reach_the_config():
     assert (c.cache.enable_prefix_caching, c.cache.swap_space_gib, c.cache.preemption_mode) == (False, 0.5, "swap")
     assert (c.scheduler.max_num_seqs, c.scheduler.max_num_batched_tokens) == (3, 300)
     assert not c.scheduler.enable_chunked_prefill
+    assert (c.scheduler.scheduling_policy, c.scheduler.priority_aging_steps) == ("priority", 7)
     assert (c.device.device, c.device.num_threads) == ("cpu", 2)
 
 
@@ -64,6 +66,7 @@ def test_unknown_option_names_the_key():
     (dict(kv_cache_memory_bytes=0), "kv_cache_memory_bytes"), (dict(swap_space=-1.0), "swap_space"),
     (dict(num_gpu_blocks_override=0), "num_gpu_blocks_override"), (dict(num_threads=0), "num_threads"),
     (dict(attention_backend="fast"), "attention_backend"), (dict(max_num_batched_tokens=0), "max_num_batched"),
+    (dict(scheduling_policy="lifo"), "scheduling_policy"), (dict(priority_aging_steps=0), "priority_aging_steps"),
     # Known before the model loads: an unchunked prompt of max_model_len tokens could never be scheduled.
     (dict(enable_chunked_prefill=False, max_num_batched_tokens=100, max_model_len=200), "max_num_batched_tokens"),
 ])

@@ -6,7 +6,7 @@ import threading
 import time
 from types import SimpleNamespace
 
-from pagedserve.config import ModelConfig, StructuredOutputsConfig
+from pagedserve.config import ModelConfig, SchedulerConfig, StructuredOutputsConfig
 from pagedserve.core.scheduler_output import SchedulerStats
 from pagedserve.engine.core import EngineCoreOutput, EngineCoreRequest
 from pagedserve.metrics.stats import EngineStats
@@ -35,7 +35,7 @@ class FakeCore:
         self.model_name, self.max_model_len, self.num_kv_blocks = "fake", 20_000, 8
         self.kv_bytes_per_token = 46_080
         self.config = SimpleNamespace(cache=SimpleNamespace(block_size=16, cache_dtype="float32"), model=ModelConfig(),
-                                      structured_outputs=StructuredOutputsConfig())
+                                      structured_outputs=StructuredOutputsConfig(), scheduler=SchedulerConfig())
         self.loaded = SimpleNamespace(tokenizer=word_tokenizer(), hf_config=SimpleNamespace(vocab_size=len(VOCAB)),
                                       eos_token_ids=[], chat_template=None)
         self.stats = EngineStats()

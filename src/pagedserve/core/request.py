@@ -32,6 +32,12 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     # Tenant key for the prefix cache: only requests with the same salt (or both None) share blocks.
     cache_salt: str | None = None
+    # Scheduling (core/waiting_queue.py, core/scheduling_policy.py): lower priority values are served first
+    # under --scheduling-policy priority; sequences of one client request share a fairness group.
+    priority: int = 0
+    client_request_id: str | None = None
+    queue_key: tuple[int, int] | None = None   # set when it first waits: (policy key, arrival order)
+    admitted_step: int | None = None           # the scheduler step that last admitted it
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)
     # Tokens whose K/V is in the cache. Prefill, chunked prefill, prefix hits and recompute after

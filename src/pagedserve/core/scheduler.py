@@ -1,46 +1,28 @@
 """Continuous batching: every step, running requests first, then waiting ones, under a token budget.
 
 Each scheduled request catches its num_computed_tokens up towards num_tokens by at most the remaining
-budget (chunked prefill). When the pool is short the newest running request is preempted: by recompute
-(blocks freed, tokens kept, computed again later) or, with preemption_mode="swap" and room in the host
-pool, by swapping its blocks out and back in. Either way it goes back to the front of the waiting queue.
+budget (chunked prefill). When the pool is short the last running request (the newest; under the priority
+policy the least urgent) is preempted: by recompute (blocks freed, tokens kept, computed again later) or, with
+preemption_mode="swap" and room in the host pool, by swapping its blocks out and back in. Either way it waits
+again (core/waiting_queue.py: who is admitted next, fair between client requests; core/scheduling_policy.py:
+fcfs or priority, where a waiting request may also preempt less urgent running ones; docs/scheduling.md).
 
 Parallel samples of one prompt are forks: the first sample prefills the prompt; the others wait until it
 has, then share its blocks (the last, partly filled one copy-on-write) and compute only the last token.
 
-Plans describe requests to the worker by difference (vLLM V1): a request's first plan sends it whole
-(NewRequestData), later plans send only the tokens appended and the blocks allocated since (CachedRequestData).
+Plans describe requests to the worker by difference (core/plan_builder.py).
 """
 from __future__ import annotations
 
 import time
-from collections import deque
-from dataclasses import dataclass
 
 from pagedserve.config import SchedulerConfig
 from pagedserve.core.kv_cache_manager import KVCacheManager
+from pagedserve.core.plan_builder import PlanBuilder, WorkerViews
 from pagedserve.core.request import Request, RequestStatus
-from pagedserve.core.scheduler_output import (CachedRequestData, ModelRunnerOutput, NewRequestData,
-                                              SchedulerOutput, SchedulerStats)
-
-
-@dataclass(slots=True)
-class _WorkerView:
-    # How much of a request the worker holds: its first num_tokens tokens and first num_blocks block ids
-    # (0 after a preemption, when the worker drops the table: the next plan sends it whole).
-    num_tokens: int
-    num_blocks: int
-
-
-class _PlanBuilder:
-    # Collects one step's plan; each scheduled request is added once, in batch order.
-    def __init__(self) -> None:
-        self.new_reqs: list[NewRequestData] = []
-        self.cached = CachedRequestData()
-        self.num_scheduled_tokens: dict[str, int] = {}
-        self.num_prompt_tokens = 0
-        self.num_sampling_reqs = 0
-        self.spec_tokens: dict[str, list[int]] = {}
+from pagedserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput, SchedulerStats
+from pagedserve.core.scheduling_policy import make_policy
+from pagedserve.core.waiting_queue import WaitingQueue
 
 
 class Scheduler:
@@ -54,13 +36,13 @@ class Scheduler:
         # Forked samples waiting for their source's prefill, keyed by the source's req_id.
         self.pending_forks: dict[str, list[Request]] = {}
         self.fork_source: dict[str, Request] = {}
-        self.waiting: deque[Request] = deque()
+        self.policy = make_policy(config.scheduling_policy, config.priority_aging_steps)
+        self.waiting = WaitingQueue(self.policy)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions_total = 0
         self._finished_since_plan: list[str] = []
-        # Requests the worker holds state for (scheduled at least once, not yet reported finished).
-        self._worker_views: dict[str, _WorkerView] = {}
+        self.views = WorkerViews()
 
     @property
     def capacity_tokens(self) -> int:
@@ -87,25 +69,35 @@ class Scheduler:
             self.pending_forks.setdefault(fork_of.req_id, []).append(req)
             self.fork_source[req.req_id] = fork_of
         else:
-            self.waiting.append(req)
+            self.waiting.add(req)
 
     def _release_forks(self, src: Request) -> None:
-        # Forks join the queue right behind the front, so they are admitted while src's blocks are held.
-        for req in reversed(self.pending_forks.pop(src.req_id, [])):
-            self.waiting.appendleft(req)
+        # Forks go to the front of the queue, so they are admitted while src's blocks are held.
+        for req in self.pending_forks.pop(src.req_id, []):
+            self.waiting.add_front(req)
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
-        plan = _PlanBuilder()
+        plan = PlanBuilder()
         preempted: list[str] = []
+        self.waiting.now += 1
+        self.policy.order_running(self.running)
+        self._preempt_for_waiting(preempted, budget)
+        num_preempted_for_waiting = len(preempted)
 
+        # Under the priority policy a running prefill pauses while a waiting request outranks it, so the
+        # budget goes to the urgent one's prefill; decodes always run.
+        urgent = self.waiting.peek()
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if num_new > 1 and urgent is not None and self.policy.outranks(urgent, req, self.waiting.now):
+                i += 1
+                continue
             num_new += self._trim_drafts(req, budget - num_new)
             while (new_ids := self.kv.allocate_slots(req, num_new)) is None:
                 if req.spec_token_ids:  # drop the drafts before preempting anyone
@@ -123,10 +115,13 @@ class Scheduler:
             budget -= num_new
             i += 1
 
-        # Admit waiting requests only when nothing was preempted: memory is short this step.
-        while (not preempted and self.waiting and budget > 0
+        # Admit waiting requests only when no running one was preempted for memory: it is short this step.
+        # A request preempted this step waits at least until the next (the worker drops its rows first).
+        while (len(preempted) == num_preempted_for_waiting and self.waiting and budget > 0
                and len(self.running) < self.config.max_num_seqs):
-            req = self.waiting[0]
+            req = self.waiting.peek()
+            if req.req_id in preempted:
+                break
             if self.kv.is_swapped(req):
                 num_new = min(req.num_tokens - req.num_computed_tokens, budget)
                 if self.kv.swap_in(req, num_new) is None:
@@ -178,12 +173,41 @@ class Scheduler:
         del req.spec_token_ids[max(0, min(room, budget_left)):]
         return len(req.spec_token_ids)
 
+    def _preempt_for_waiting(self, preempted: list[str], budget: int) -> None:
+        # Priority policy: while the batch or the pool has no room for the first chunk of the most urgent
+        # waiting request, the least urgent running request it outranks (running is in order) is preempted.
+        # Room is estimated before the running requests allocate: their next tokens come first.
+        now = self.waiting.now
+        while self.waiting and self.running:
+            req = self.waiting.peek()
+            if self._has_room(req, budget):
+                return
+            victim = next((r for r in reversed(self.running) if self.policy.outranks(req, r, now)), None)
+            if victim is None:
+                return
+            self.running.remove(victim)
+            self._preempt(victim)
+            preempted.append(victim.req_id)
+
+    def _has_room(self, req: Request, budget: int) -> bool:
+        if len(self.running) >= self.config.max_num_seqs:
+            return False
+        kv = self.kv
+
+        def blocks_for(r: Request) -> int:
+            num_new = min(r.num_tokens - r.num_computed_tokens, budget) + len(r.spec_token_ids)
+            held = 0 if kv.is_swapped(r) else len(kv.req_blocks.get(r.req_id, ()))
+            return max(0, -(-(r.num_computed_tokens + num_new) // kv.block_size) - held)
+
+        return blocks_for(req) + sum(blocks_for(r) for r in self.running) <= kv.pool.num_free_blocks
+
     def _admit(self, req: Request) -> None:
-        self.waiting.popleft()
+        self.waiting.pop()
         if req.scheduled_time is None:  # queue time ends here, before the prefill runs
             req.scheduled_time = time.monotonic()
+        req.admitted_step = self.waiting.now
         if req.status is RequestStatus.PREEMPTED:
-            self._worker_views[req.req_id].num_blocks = 0
+            self.views.resumed(req.req_id)
         req.status = RequestStatus.RUNNING
         self.running.append(req)
 
@@ -198,33 +222,8 @@ class Scheduler:
         req.num_computed_tokens = num_shared
         return True
 
-    def _plan(self, plan: _PlanBuilder, req: Request, num_new: int) -> None:
-        start = req.num_computed_tokens
-        plan.num_scheduled_tokens[req.req_id] = num_new
-        plan.num_prompt_tokens += max(0, min(req.num_prompt_tokens, start + num_new) - start)
-        # Scheduled drafts sit after the last token: the step samples when it reaches num_tokens + drafts.
-        num_drafts = len(req.spec_token_ids)
-        if num_drafts and start + num_new == req.num_tokens + num_drafts:
-            plan.spec_tokens[req.req_id] = list(req.spec_token_ids)
-        else:
-            num_drafts = 0
-        plan.num_sampling_reqs += start + num_new - num_drafts == req.num_tokens
-        blocks = self.kv.req_blocks[req.req_id]
-        view = self._worker_views.get(req.req_id)
-        if view is None:
-            plan.new_reqs.append(NewRequestData(req.req_id, req.prompt_token_ids, req.params, req.eos_token_ids,
-                                                [b.block_id for b in blocks], start))
-            self._worker_views[req.req_id] = _WorkerView(req.num_tokens, len(blocks))
-            return
-        # A table known to the worker only grows at its end: copy-on-write replaces a block only in a table
-        # the worker has not seen yet (a fork's first plan). tests/core check this against a mirror.
-        c = plan.cached
-        c.req_ids.append(req.req_id)
-        c.resumed_from_preemption.append(view.num_blocks == 0)
-        c.new_token_ids.append(req.all_token_ids[view.num_tokens:])
-        c.new_block_ids.append([b.block_id for b in blocks[view.num_blocks:]])
-        c.num_computed_tokens.append(start)
-        view.num_tokens, view.num_blocks = req.num_tokens, len(blocks)
+    def _plan(self, plan: PlanBuilder, req: Request, num_new: int) -> None:
+        self.views.add(plan, req, num_new, self.kv.block_ids(req.req_id))
 
     def _preempt(self, req: Request) -> None:
         if self.preemption_mode == "swap" and self.kv.can_swap_out(req):
@@ -237,7 +236,8 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions_total += 1
-        self.waiting.appendleft(req)
+        req.queue_key = self.policy.requeue_key(req, self.waiting.now)
+        self.waiting.add(req)
 
     def update(self, plan: SchedulerOutput, result: ModelRunnerOutput) -> list[Request]:
         """Advance computed counts, append sampled tokens, finish requests. Returns requests with a new token."""
@@ -303,10 +303,10 @@ class Scheduler:
         # Forks still waiting on this request fall back to an ordinary prefill (prefix cache hits).
         for fork in self.pending_forks.pop(req_id, []):
             self.fork_source.pop(fork.req_id, None)
-            self.waiting.append(fork)
+            self.waiting.add(fork)
         req.status = status
         self.kv.free(req)
-        if self._worker_views.pop(req_id, None) is not None:
+        if self.views.drop(req_id):
             self._finished_since_plan.append(req_id)
         return req
 

@@ -13,6 +13,7 @@ from pagedserve.config import (ATTENTION_BACKENDS, CHUNKED_PREFILL_BATCHED_TOKEN
                                CacheConfig, DeviceConfig, EngineConfig, KVEventsConfig, ModelConfig, ParallelConfig,
                                SchedulerConfig, SpeculativeConfig, StructuredOutputsConfig)
 from pagedserve.core.kv_disk import check_offload_config
+from pagedserve.core.scheduling_policy import SCHEDULING_POLICIES
 from pagedserve.kv_dtypes import KV_CACHE_DTYPES
 
 
@@ -48,6 +49,8 @@ class EngineArgs:
     max_num_seqs: int = _default(SchedulerConfig, "max_num_seqs")
     max_num_batched_tokens: int | None = _default(SchedulerConfig, "max_num_batched_tokens")
     enable_chunked_prefill: bool = _default(SchedulerConfig, "enable_chunked_prefill")
+    scheduling_policy: str = _default(SchedulerConfig, "scheduling_policy")
+    priority_aging_steps: int = _default(SchedulerConfig, "priority_aging_steps")
     device: str = _default(DeviceConfig, "device")
     num_threads: int | None = _default(DeviceConfig, "num_threads")
     # JSON text, a dict or a SpeculativeConfig (vLLM's --speculative-config); None = no speculation.
@@ -113,6 +116,13 @@ class EngineArgs:
                             "if larger and chunked prefill is off)")
         g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
                        default=d.enable_chunked_prefill)
+        g.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default=d.scheduling_policy,
+                       help="fcfs: first come, first served (fair between client requests); priority: requests' "
+                            "`priority` (lower first) orders the queue and preempts less urgent running requests "
+                            "(docs/scheduling.md)")
+        g.add_argument("--priority-aging-steps", type=int, default=d.priority_aging_steps, metavar="STEPS",
+                       help="with --scheduling-policy priority: a request waiting this many steps ranks one "
+                            "priority level more urgent, so none starves")
         g.add_argument("--device", default=d.device, help="auto, cpu, cuda or cuda:N")
         g.add_argument("--num-threads", type=int, default=d.num_threads,
                        help="torch CPU threads (per rank with tensor parallelism; default: the cores / ranks)")
@@ -138,7 +148,9 @@ class EngineArgs:
     def create_engine_config(self) -> EngineConfig:
         # Each config checks its own fields; what spans fields and is known before the model loads is checked
         # here, and config.resolve_limits finishes once the model's context and the KV pool are known.
-        scheduler = SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.enable_chunked_prefill)
+        scheduler = SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.enable_chunked_prefill,
+                                    scheduling_policy=self.scheduling_policy,
+                                    priority_aging_steps=self.priority_aging_steps)
         if self.max_model_len is not None:
             scheduler.check_fits(self.max_model_len)
         config = EngineConfig(

@@ -132,7 +132,7 @@ class AsyncLLMEngine:
         self.kv_cache_dtype: str = core.config.cache.cache_dtype
         self.kv_bytes_per_token: int = core.kv_bytes_per_token
         self.processor = Processor(core.loaded, core.config.model, core.max_model_len,
-                                   core.config.structured_outputs)
+                                   core.config.structured_outputs, core.config.scheduler)
         self.tokenizer = self.processor.tokenizer
         self.output_processor = OutputProcessor(self.tokenizer)
 
@@ -201,15 +201,18 @@ class AsyncLLMEngine:
             self._streams.pop(rid, None)
         self._finish_in_core(self.output_processor.abort_requests(ids), RequestStatus.FINISHED_ABORTED)
 
-    async def add_requests(self, requests: Sequence[tuple[str, Prompt, SamplingParams]]) -> OutputStream:
-        """Add all requests or none; a ValueError from validation (prompt too long, ...) reaches the caller."""
+    async def add_requests(self, requests: Sequence[tuple[str, Prompt, SamplingParams]],
+                           priority: int = 0) -> OutputStream:
+        """Add all requests or none; a ValueError from validation (prompt too long, ...) reaches the caller.
+
+        They are one client request: the scheduler interleaves their sequences with other client requests'."""
         if self._closed:
             raise EngineClosedError("the engine is shut down")
         loop = asyncio.get_running_loop()
         self._loop = loop
         admitted = self._admission(len(requests))
         try:
-            return await self._add_requests(requests, admitted)
+            return await self._add_requests(requests, admitted, priority)
         finally:
             admitted()  # tokenizing failed, or the caller went away before the engine took them
 
@@ -230,10 +233,12 @@ class AsyncLLMEngine:
         return end
 
     async def _add_requests(self, requests: Sequence[tuple[str, Prompt, SamplingParams]],
-                            admitted: Callable[[], None]) -> OutputStream:
+                            admitted: Callable[[], None], priority: int) -> OutputStream:
+        client_id = requests[0][0] if requests else None
 
         def process(proc: Processor) -> list:
-            return [proc.process(rid, prompt(proc) if callable(prompt) else prompt, params)
+            return [proc.process(rid, prompt(proc) if callable(prompt) else prompt, params, priority=priority,
+                                 client_request_id=client_id)
                     for rid, prompt, params in requests]
 
         processed = await self.run_processor(process)
@@ -268,8 +273,9 @@ class AsyncLLMEngine:
             raise
         return stream
 
-    async def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams) -> OutputStream:
-        return await self.add_requests([(request_id, prompt, params)])
+    async def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
+                          priority: int = 0) -> OutputStream:
+        return await self.add_requests([(request_id, prompt, params)], priority)
 
     async def generate(self, prompt: Prompt, params: SamplingParams, request_id: str):
         stream = await self.add_request(request_id, prompt, params)

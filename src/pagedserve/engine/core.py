@@ -62,6 +62,8 @@ class EngineCoreRequest:
     fork_of: str | None = None
     cache_salt: str | None = None  # requests with different salts never share prefix-cache blocks
     grammar: Any = None  # an xgrammar CompiledGrammar, compiled by the front-end before the request is added
+    priority: int = 0  # lower first under --scheduling-policy priority
+    client_request_id: str | None = None  # the client request it belongs to: the scheduler is fair between them
 
 
 @dataclass(frozen=True, slots=True)
@@ -252,7 +254,7 @@ class EngineCore:
         by_id: dict[str, Request] = {}
         for r in reqs:
             req = Request(r.req_id, r.prompt_token_ids, r.params, r.max_tokens, r.eos_token_ids, r.arrival_time,
-                          cache_salt=r.cache_salt)
+                          cache_salt=r.cache_salt, priority=r.priority, client_request_id=r.client_request_id)
             self.scheduler.add_request(req, fork_of=by_id.get(r.fork_of) if r.fork_of else None)
             if r.grammar is not None:
                 self.structured_output.add_request(r.req_id, r.grammar)

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Sequence
 
 from pagedserve.config import EngineConfig
 from pagedserve.core.request import RequestStatus
@@ -31,7 +32,8 @@ class LLMEngine:
         self.hf_config = self.core.hf_config
         self.max_model_len = self.core.max_model_len
         self.tokenizer = loaded.tokenizer
-        self.processor = Processor(loaded, config.model, self.max_model_len, config.structured_outputs)
+        self.processor = Processor(loaded, config.model, self.max_model_len, config.structured_outputs,
+                                   config.scheduler)
         self.output_processor = OutputProcessor(loaded.tokenizer)
         self.token_texts = self.output_processor.token_texts
         # Requests that failed since the caller last looked (request id -> error); see take_failures().
@@ -64,20 +66,27 @@ class LLMEngine:
         return str(self._next_id - 1)
 
     def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None, priority: int = 0) -> None:
         if request_id in self.output_processor.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        self.add_requests([(request_id, prompt, params)], arrival_time)
+        self.add_requests([(request_id, prompt, params)], arrival_time, priority)
 
     def add_requests(self, requests: list[tuple[str, PromptInput, SamplingParams]],
-                     arrival_time: float | None = None) -> None:
+                     arrival_time: float | None = None, priority: int | Sequence[int] = 0) -> None:
         """Processes all first, so their grammars compile side by side, then adds them one by one; a request
-        that fails validation raises after the ones before it were added (the caller aborts those)."""
+        that fails validation raises after the ones before it were added (the caller aborts those).
+
+        They are one client request (the scheduler is fair between client requests); priority is one for all
+        or one per request."""
+        priorities = [priority] * len(requests) if isinstance(priority, int) else list(priority)
+        if len(priorities) != len(requests):
+            raise ValueError(f"got {len(requests)} prompts but {len(priorities)} priorities")
+        client_id = requests[0][0] if requests else None
         processed = []
-        for request_id, prompt, params in requests:
+        for (request_id, prompt, params), prio in zip(requests, priorities):
             if request_id in self.output_processor.requests or any(p.request_id == request_id for p in processed):
                 raise ValueError(f"request id {request_id!r} is already in use")
-            processed.append(self.processor.process(request_id, prompt, params, arrival_time))
+            processed.append(self.processor.process(request_id, prompt, params, arrival_time, prio, client_id))
         for p in processed:
             if p.grammar_future is not None:
                 p = p.with_grammar(self.processor.grammars.wait(p.grammar_future))

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from pagedserve.config import ModelConfig, StructuredOutputsConfig
+from pagedserve.config import ModelConfig, SchedulerConfig, StructuredOutputsConfig
 from pagedserve.engine.core import EngineCoreRequest
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.structured_output.backend import GrammarCompileService, check_first_token
@@ -55,8 +55,10 @@ def cache_salt_of(prompt: PromptInput) -> str | None:
 
 class Processor:
     def __init__(self, loaded: Any, config: ModelConfig, max_model_len: int,
-                 structured_outputs: StructuredOutputsConfig | None = None) -> None:
+                 structured_outputs: StructuredOutputsConfig | None = None,
+                 scheduler: SchedulerConfig | None = None) -> None:
         self.tokenizer = loaded.tokenizer
+        self.scheduling_policy = scheduler.scheduling_policy if scheduler is not None else "fcfs"
         self.vocab_size = loaded.hf_config.vocab_size
         self._eos = tuple(loaded.eos_token_ids)
         self.max_model_len = max_model_len
@@ -129,10 +131,22 @@ class Processor:
     def eos_token_ids(self, params: SamplingParams) -> tuple[int, ...]:
         return self._eos
 
+    def check_priority(self, priority: int) -> None:
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        if priority != 0 and self.scheduling_policy != "priority":
+            # vLLM's rule: a priority would be silently ignored otherwise.
+            raise ValueError(f"got priority {priority}, but priority scheduling is not enabled "
+                             "(--scheduling-policy priority)")
+
     def process(self, request_id: str, prompt: PromptInput, params: SamplingParams,
-                arrival_time: float | None = None) -> ProcessedRequest:
+                arrival_time: float | None = None, priority: int = 0,
+                client_request_id: str | None = None) -> ProcessedRequest:
+        # client_request_id: the client request (HTTP request, generate call) this prompt is part of; the
+        # scheduler is fair between client requests. None: the request alone.
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        self.check_priority(priority)
         cache_salt = cache_salt_of(prompt)
         prompt_text, prompt_ids = self.tokenize(prompt)
         max_tokens = self.resolve_max_tokens(prompt_ids, params)
@@ -155,7 +169,8 @@ class Processor:
             p = core_params if num_samples == 1 else _child_params(core_params, i)
             seq_id = request_id if num_samples == 1 else f"{request_id}#{i}"
             reqs.append(EngineCoreRequest(seq_id, prompt_ids, p, max_tokens, eos, arrival,
-                                          fork_of=None if i == 0 else reqs[0].req_id, cache_salt=cache_salt))
+                                          fork_of=None if i == 0 else reqs[0].req_id, cache_salt=cache_salt,
+                                          priority=priority, client_request_id=client_request_id or request_id))
         return ProcessedRequest(request_id, prompt_text, prompt_ids, params, reqs, num_returned, keep_logprobs,
                                 grammar_future)
 

@@ -11,6 +11,8 @@ Where the numbers come from:
 - Histograms are observed when a request finishes (EngineStats.on_finished, on the engine thread). Aborted
   requests are counted in request_success_total{finished_reason="abort"} but observe no latencies.
 - request_queue_time_seconds: arrival until the scheduler first admitted the request (before its prefill).
+- *_by_priority_seconds{priority}: queue time, TTFT and end-to-end latency per priority class (the request's
+  `priority`, clamped to -8..8 so a client cannot create series without bound).
 - http_requests_total{handler,method,status="2xx"|"4xx"|"5xx"} counts responses (status class as sent at the
   start of the response: a stream that fails later still counts as 2xx; its error shows in the engine's series).
 - inter_token_latency_seconds: the engine keeps only first/last token times, so a finished request observes
@@ -42,6 +44,7 @@ _LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30
 _RESIDENCY_BUCKETS = [0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
                       1800.0, 3600.0]
 _FINISH_REASONS = ("stop", "length", "abort")
+PRIORITY_LABEL_RANGE = 8  # priority labels are clamped to -8..8
 
 
 class _SnapshotCollector:
@@ -149,6 +152,10 @@ def _kv_offload_metrics(gauge, counter, s) -> Iterable[Metric]:
     yield gauge("kv_offload_disk_bytes", "Bytes of block files in the disk tier's directory.", s.disk_bytes)
 
 
+def priority_label(priority: int) -> str:
+    return str(max(-PRIORITY_LABEL_RANGE, min(PRIORITY_LABEL_RANGE, priority)))
+
+
 class PrometheusMetrics:
     def __init__(self, engine, model_name: str, prefix: str = "pagedserve") -> None:
         if prefix not in PREFIXES:
@@ -172,6 +179,18 @@ class PrometheusMetrics:
         self.queue_time = histogram("request_queue_time_seconds",
                                     "Histogram of time spent waiting to be scheduled, in seconds.",
                                     _LATENCY_BUCKETS)
+        def by_priority(name: str, doc: str, buckets: list[float]):
+            h = Histogram(f"{prefix}:{name}", doc, ["model_name", "priority"], buckets=buckets,
+                          registry=self.registry)
+            return lambda priority: h.labels(model_name, priority_label(priority))
+
+        self.queue_time_by_priority = by_priority("request_queue_time_by_priority_seconds",
+                                                  "Time spent waiting to be scheduled, by priority class.",
+                                                  _LATENCY_BUCKETS)
+        self.ttft_by_priority = by_priority("time_to_first_token_by_priority_seconds",
+                                            "Time to first token, by priority class.", _TTFT_BUCKETS)
+        self.e2e_by_priority = by_priority("e2e_request_latency_by_priority_seconds",
+                                           "End to end request latency, by priority class.", _LATENCY_BUCKETS)
         # HTTP responses by route, method and status class, unprefixed and labelled as vLLM's (its FastAPI
         # instrumentator), so error-rate alerts written for vLLM work: 5xx / all.
         self.http_requests = Counter("http_requests", "Total number of HTTP responses by handler and status.",
@@ -196,10 +215,13 @@ class PrometheusMetrics:
     def on_finished(self, rs: RequestStats) -> None:  # engine thread; prometheus_client is thread-safe
         if rs.ttft is not None:
             self.ttft.observe(rs.ttft)
+            self.ttft_by_priority(rs.priority).observe(rs.ttft)
         if rs.queue_time is not None:
             self.queue_time.observe(rs.queue_time)
+            self.queue_time_by_priority(rs.priority).observe(rs.queue_time)
         if rs.e2e_latency is not None:
             self.e2e.observe(rs.e2e_latency)
+            self.e2e_by_priority(rs.priority).observe(rs.e2e_latency)
         itl = rs.mean_inter_token_latency
         if itl is not None:
             self.tpot.observe(itl)

@@ -19,13 +19,14 @@ class RequestStats:
     num_cached_tokens: int
     finish_reason: str | None
     num_samples: int = 1            # n (or best_of) samples generated side by side
+    priority: int = 0
 
     @classmethod
     def from_request(cls, req) -> "RequestStats":
         done = req.status.is_finished
         return cls(req.arrival_time, req.scheduled_time, req.first_token_time, req.last_token_time,
                    req.num_prompt_tokens, req.num_output_tokens, req.num_cached_tokens,
-                   req.status.value if done else None)
+                   req.status.value if done else None, priority=req.priority)
 
     @classmethod
     def from_samples(cls, reqs: list) -> "RequestStats":
@@ -43,7 +44,7 @@ class RequestStats:
         return cls(first.arrival_time, earliest([r.scheduled_time for r in reqs]),
                    earliest([r.first_token_time for r in reqs]), max(last_times) if last_times else None,
                    first.num_prompt_tokens, sum(r.num_output_tokens for r in reqs), first.num_cached_tokens,
-                   first.status.value if first.status.is_finished else None, len(reqs))
+                   first.status.value if first.status.is_finished else None, len(reqs), first.priority)
 
     @property
     def ttft(self) -> float | None:

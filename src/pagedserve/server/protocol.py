@@ -119,6 +119,8 @@ class _SamplingRequest(OpenAIRequestModel):
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     # vLLM extra: requests share prefix-cache blocks only with requests that carry the same salt.
     cache_salt: str | None = Field(None, min_length=1)
+    # vLLM extra: lower is served first under --scheduling-policy priority (anything but 0 is a 400 otherwise).
+    priority: int = Field(0, ge=-(1 << 31), lt=1 << 31)
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
     guided_json: dict[str, Any] | str | None = None

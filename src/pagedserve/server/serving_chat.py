@@ -86,7 +86,7 @@ class OpenAIServingChat:
         num_top = req.top_logprobs or 0
         request_id = random_id("chatcmpl")
         engine = self.ctx.engine
-        stream = await engine.add_request(request_id, prompt, params)
+        stream = await engine.add_request(request_id, prompt, params, req.priority)
         created = int(time.time())
         if req.stream:
             return SSEResponse(self._stream(req, stream, request_id, created), on_close=stream.close)

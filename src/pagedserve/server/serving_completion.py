@@ -119,7 +119,7 @@ class OpenAIServingCompletion:
         echo_texts = [echo for _, _, echo in tokenized]
         sub_ids = [f"{request_id}-{i}" for i in range(len(tokenized))]
         stream = await engine.add_requests([(rid, tokenized_prompt(text, ids, req.cache_salt), params)
-                                            for rid, (text, ids, _) in zip(sub_ids, tokenized)])
+                                            for rid, (text, ids, _) in zip(sub_ids, tokenized)], req.priority)
         created = int(time.time())
         if req.stream:
             return SSEResponse(self._stream(req, stream, request_id, created, sub_ids, echo_texts),

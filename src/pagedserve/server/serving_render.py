@@ -57,20 +57,21 @@ def register_render_routes(app: FastAPI, completion: OpenAIServingCompletion, ch
     max_model_len = completion.ctx.engine.max_model_len
 
     def rendered(request_id: str, token_ids: list[int], params: SamplingParams, stream: bool,
-                 cache_salt: str | None) -> RenderedRequest:
+                 cache_salt: str | None, priority: int) -> RenderedRequest:
         return RenderedRequest(request_id=request_id, token_ids=token_ids, model=model_name, stream=stream,
                                sampling_params=sampling_params_json(params, len(token_ids), max_model_len),
-                               cache_salt=cache_salt)
+                               cache_salt=cache_salt, priority=priority)
 
     @app.post("/v1/completions/render")
     async def render_completion(req: CompletionRequest) -> Response:
         params, tokenized = await completion.prepare(req)
         request_id = random_id("cmpl")
-        return json_response(RenderedRequests([rendered(f"{request_id}-{i}", ids, params, req.stream, req.cache_salt)
+        return json_response(RenderedRequests([rendered(f"{request_id}-{i}", ids, params, req.stream, req.cache_salt,
+                                                        req.priority)
                                                for i, (_, ids, _) in enumerate(tokenized)]))
 
     @app.post("/v1/chat/completions/render")
     async def render_chat(req: ChatCompletionRequest) -> Response:
         params, prompt = await chat.prepare(req)
         return json_response(rendered(random_id("chatcmpl"), list(prompt["prompt_token_ids"]), params, req.stream,
-                                      req.cache_salt))
+                                      req.cache_salt, req.priority))

@@ -1,0 +1,72 @@
+"""Who goes first: --scheduling-policy fcfs (default) or priority (vLLM's `priority`, lower value first).
+
+A policy turns a waiting sequence's fairness tag (core/waiting_queue.py: about its arrival step) into the key the
+waiting queue orders by (smaller first), and decides which running sequences a waiting one may preempt.
+
+fcfs: key = tag. Nothing is preempted for a waiting request; a sequence preempted for memory waits again with
+its old key, so it comes back before what arrived after it.
+
+priority: key = priority * aging_steps + tag. A sequence that has waited aging_steps steps ranks as one level
+more urgent than one of the same priority arriving now, so a steady stream of urgent requests delays a
+low-priority one by at most (its priority - theirs) * aging_steps steps of arrivals, never forever. Only time
+spent waiting ages a sequence: one that is preempted waits again with its key moved back by the steps it ran,
+so a long low-priority job stays preemptible.
+
+Preemption by priority: a waiting sequence W takes the place of a running R (when the batch or the pool is
+full) only if W's priority is strictly lower than R's and W's key is smaller than the key R would wait with.
+The second condition keeps the queue consistent with the preemption (W is admitted before R comes back), and
+the first one means R can never preempt W back: each preemption lowers the priority running.
+"""
+from __future__ import annotations
+
+from pagedserve.core.request import Request
+
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
+class FCFSPolicy:
+    name = "fcfs"
+
+    def queue_key(self, req: Request, tag: int) -> int:
+        return tag
+
+    def requeue_key(self, req: Request, now: int) -> tuple[int, int]:
+        return req.queue_key
+
+    def outranks(self, waiting: Request, running: Request, now: int) -> bool:
+        return False
+
+    def order_running(self, running: list[Request]) -> None:
+        # Admission order: the newest is preempted first when the pool runs short.
+        pass
+
+
+class PriorityPolicy:
+    name = "priority"
+
+    def __init__(self, aging_steps: int) -> None:
+        self.aging_steps = aging_steps
+
+    def queue_key(self, req: Request, tag: int) -> int:
+        return req.priority * self.aging_steps + tag
+
+    def requeue_key(self, req: Request, now: int) -> tuple[int, int]:
+        key, arrival = req.queue_key
+        return key + now - req.admitted_step, arrival
+
+    def outranks(self, waiting: Request, running: Request, now: int) -> bool:
+        return (waiting.priority < running.priority
+                and waiting.queue_key < self.requeue_key(running, now))
+
+    def order_running(self, running: list[Request]) -> None:
+        # Most urgent first (the key it would wait with): they get the token budget first, and the last is
+        # the one preempted first. The order holds from step to step: all running keys move together.
+        running.sort(key=lambda r: (r.queue_key[0] - r.admitted_step, r.queue_key[1]))
+
+
+def make_policy(name: str, aging_steps: int) -> FCFSPolicy | PriorityPolicy:
+    if name == "fcfs":
+        return FCFSPolicy()
+    if name == "priority":
+        return PriorityPolicy(aging_steps)
+    raise ValueError(f"scheduling policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {name!r}")
