@@ -31,8 +31,9 @@ def complete(server, prompt: str, max_tokens: int, priority: int) -> float:
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "priority": -1}),
 ])
 def test_priority_without_the_policy_is_400(server, path, body):
-    err = assert_openai_error(httpx.post(f"{server.url}{path}", json=body, timeout=60), 400)
-    assert "priority scheduling is not enabled" in err["message"]
+    for route in (path, f"{path}/render"):
+        err = assert_openai_error(httpx.post(f"{server.url}{route}", json=body, timeout=60), 400)
+        assert "priority scheduling is not enabled" in err["message"] and err["param"] == "priority"
     body["priority"] = 0  # vLLM's default is always accepted
     assert httpx.post(f"{server.url}{path}", json=body, timeout=60).status_code == 200
 

@@ -61,6 +61,12 @@ class ServerContext:
             raise OpenAIError(f"The model `{model}` does not exist.", 404, param="model",
                               code="model_not_found")
 
+    def check_priority(self, priority: int) -> None:
+        try:
+            self.engine.processor.check_priority(priority)
+        except ValueError as exc:
+            raise OpenAIError(str(exc), 400, param="priority") from None
+
 
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"

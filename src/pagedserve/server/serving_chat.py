@@ -60,6 +60,7 @@ class OpenAIServingChat:
         # The checks, the sampling parameters and the rendered prompt; /v1/chat/completions/render stops here.
         self.ctx.limits.check_samples(req.n)
         self.ctx.check_model(req.model)
+        self.ctx.check_priority(req.priority)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         num_top = req.top_logprobs or 0
         if req.tool_mode == "auto" and self.ctx.tool_call_parser is None:

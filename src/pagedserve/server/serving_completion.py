@@ -93,6 +93,7 @@ class OpenAIServingCompletion:
         prompts = req.prompts()
         limits.check_sequences(len(prompts), num_samples)
         self.ctx.check_model(req.model)
+        self.ctx.check_priority(req.priority)
         params = req.to_sampling_params(req.max_tokens, req.logprobs, req.best_of, req.num_prompt_logprobs)
         params.output_kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
         engine = self.ctx.engine
