@@ -60,16 +60,17 @@ def cached_block_ids(llm: LLM) -> list[int]:
     return [llm.llm_engine.core.kv.pool.lookup(h).block_id for h in prompt_hashes(llm)]
 
 
-def test_restarted_engine_loads_the_prefix_and_generates_the_same(model_dir, tmp_path):
-    reference = run(engine(model_dir))                       # no disk tier
-    first = engine(model_dir, tmp_path)
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])  # int8: rows carry their scales
+def test_restarted_engine_loads_the_prefix_and_generates_the_same(model_dir, tmp_path, kv_dtype):
+    reference = run(engine(model_dir, kv_cache_dtype=kv_dtype))          # no disk tier
+    first = engine(model_dir, tmp_path, kv_cache_dtype=kv_dtype)
     cold = run(first)
     assert cold.num_cached_tokens == 0
     assert first.llm_engine.core.kv.disk.stats.num_stored_blocks >= NUM_PROMPT_BLOCKS
     computed_kv = prompt_kv(first, cached_block_ids(first))
     del first
 
-    second = engine(model_dir, tmp_path, num_gpu_blocks_override=40)  # another pool: other block ids
+    second = engine(model_dir, tmp_path, num_gpu_blocks_override=40, kv_cache_dtype=kv_dtype)  # other block ids
     warm = run(second)
     stats = second.llm_engine.core.kv.disk.stats
     assert stats.num_loaded_blocks == NUM_PROMPT_BLOCKS and stats.num_hit_tokens == 16 * NUM_PROMPT_BLOCKS

