@@ -143,9 +143,12 @@ def test_hash_root_is_the_same_in_another_process(tmp_path):
     assert make_disk_hash_root(model_fingerprint(str(model)), dtype="bfloat16").hex() != out.stdout.strip()
 
 
-def test_bound_smaller_than_a_block_is_refused(tmp_path):
+def test_bound_smaller_than_a_block_and_unusable_directories_are_refused(tmp_path):
     with pytest.raises(ValueError, match="kv-offload-max-bytes"):
         DiskKVStore(str(tmp_path), NBYTES, NBYTES, ROOT)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match="kv-offload-dir .*cannot create"):
+        DiskKVStore(str(tmp_path / "file" / "kv"), None, NBYTES, ROOT)
 
 
 def test_disk_writes_loads_and_evictions_are_kv_events(tmp_path):

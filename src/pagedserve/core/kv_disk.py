@@ -114,7 +114,12 @@ class DiskKVStore:
             raise ValueError(f"--kv-offload-max-bytes {max_bytes} cannot hold one block "
                              f"({block_nbytes + _HEADER.size} bytes)")
         self.directory = os.path.abspath(os.path.expanduser(directory))
-        os.makedirs(self.directory, exist_ok=True)
+        try:
+            os.makedirs(self.directory, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"--kv-offload-dir {self.directory}: cannot create it ({e.strerror})") from e
+        if not os.access(self.directory, os.R_OK | os.W_OK | os.X_OK):
+            raise ValueError(f"--kv-offload-dir {self.directory}: not readable and writable by this process")
         self.max_bytes = max_bytes
         self.block_nbytes = block_nbytes
         self.hash_root = hash_root
