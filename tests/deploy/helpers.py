@@ -47,10 +47,13 @@ def render(values: dict | None = None) -> list[dict]:
     return [doc for text in manifests.values() for doc in yaml.safe_load_all(text) if doc]
 
 
-def by_kind(objects: list[dict]) -> dict[str, dict]:
-    kinds = [o["kind"] for o in objects]
-    assert len(kinds) == len(set(kinds)), kinds  # the chart makes at most one object of each kind
-    return {o["kind"]: o for o in objects}
+def by_kind(objects: list[dict], component: str | None = None) -> dict[str, dict]:
+    # The model server's objects (component None) or the endpoint picker's ("endpoint-picker"): each set holds at
+    # most one object of each kind.
+    picked = [o for o in objects if o["metadata"].get("labels", {}).get("app.kubernetes.io/component") == component]
+    kinds = [o["kind"] for o in picked]
+    assert len(kinds) == len(set(kinds)), kinds
+    return {o["kind"]: o for o in picked}
 
 
 def load_schema(name: str) -> dict:

@@ -13,7 +13,7 @@ from tests.deploy.helpers import (RELEASE, by_kind, container, env_file_vars, lo
 K8S_VERSIONS = ("1.25", "1.37")
 FULLNAME = f"{RELEASE}-pagedserve"
 CRD_SCHEMAS = {"ScaledObject": "keda_scaledobject_schema.json", "ServiceMonitor": "servicemonitor_schema.json",
-               "PrometheusRule": "prometheusrule_schema.json"}
+               "PrometheusRule": "prometheusrule_schema.json", "InferencePool": "inferencepool_schema.json"}
 
 CASES = {
     "defaults": {},
@@ -27,6 +27,11 @@ CASES = {
                                     "extraArgs": ["--enable-prefix-caching"]},
                          "model": {"path": "/models/qwen2.5-7b", "servedModelName": ["qwen", "default"],
                                    "volume": {"persistentVolumeClaim": {"claimName": "models"}}}},
+    # The InferencePool, the endpoint picker and KV events (tests/deploy/test_inference_pool.py), with the
+    # pagedserve:* metric names through the ScaledObject, the alerts and the dashboard.
+    "inference-pool": {"inferencePool": {"enabled": True}, "model": {"servedModelName": ["smol"]},
+                       "server": {"blockSize": 32}},
+    "metrics-prefix-pagedserve": {"server": {"metricsPrefix": "pagedserve"}},
 }
 
 
@@ -87,8 +92,9 @@ def test_probes_service_and_monitor_point_at_the_server():
     kinds = by_kind(render())
     c = container(list(kinds.values()))
     port = {p["name"]: p["containerPort"] for p in c["ports"]}["http"]
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+    for probe in ("startupProbe", "livenessProbe"):
         assert c[probe]["httpGet"] == {"path": "/health", "port": "http"}, probe
+    assert c["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
     # The first start may compile kernels: the startup probe must allow minutes before liveness counts.
     assert c["startupProbe"]["periodSeconds"] * c["startupProbe"]["failureThreshold"] >= 120
     assert c["resources"]["requests"]["cpu"] and c["resources"]["limits"]["memory"]
@@ -141,7 +147,8 @@ def test_pod_command_line_parses_with_the_project_parser(case, tmp_path):
         assert "--tensor-parallel-size" not in c["args"]
     args = run_entrypoint(tmp_path, c["args"], {})
     assert args["command"] == "serve"
-    assert (args["host"], args["port"], args["metrics_prefix"]) == ("0.0.0.0", 8000, "vllm")
+    prefix = values.get("server", {}).get("metricsPrefix", "vllm")
+    assert (args["host"], args["port"], args["metrics_prefix"]) == ("0.0.0.0", 8000, prefix)
     assert args["api_key"] is None  # never on the command line
     if name == "tp3-model-volume":
         assert args["model"] == "/models/qwen2.5-7b" and args["served_model_name"] == ["qwen", "default"]

@@ -46,10 +46,11 @@ def live_metrics(server):
     return scrape(server.url)
 
 
-def queried_names() -> dict[str, Names]:
-    objects = by_kind(render())
+def queried_names(values: dict | None = None) -> dict[str, Names]:
+    objects = by_kind(render(values))
     found = {"dashboard": Names(), "alerts": Names(), "scaledobject": Names()}
-    dash = json.loads(DASHBOARD.read_text())
+    # The dashboard as the chart ships it (its ConfigMap puts the chosen metrics prefix in).
+    dash = json.loads(objects["ConfigMap"]["data"][DASHBOARD.name])
     for panel in dash["panels"]:
         for target in panel["targets"]:
             names(target["expr"], found["dashboard"])
