@@ -96,9 +96,14 @@ class KVCacheManager:
         for i in range(len(hashes), num_full_blocks):
             if i:
                 hashes.append(hash_block_tokens(hashes[i - 1], tokens[i * bs:(i + 1) * bs]))
-            else:  # requests with different cache salts never share a block
-                hashes.append(hash_block_tokens(self.hash_root, tokens[:bs], salt_key(req.cache_salt)))
+            else:  # requests with different cache salts (or longrope factor sets) never share a block
+                extra = salt_key(req.cache_salt) + (b"longrope:long" if req.long_rope else b"")
+                hashes.append(hash_block_tokens(self.hash_root, tokens[:bs], extra))
         return hashes
+
+    def forget_hashes(self, req: Request) -> None:
+        # req's blocks will be computed anew under another key (longrope's long factors).
+        self.req_hashes.pop(req.req_id, None)
 
     def get_computed_blocks(self, req: Request) -> tuple[list[KVBlock], int]:
         if not self.enable_caching or req.skip_prefix_cache_reads or self.req_blocks.get(req.req_id):

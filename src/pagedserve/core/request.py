@@ -38,6 +38,9 @@ class Request:
     client_request_id: str | None = None
     queue_key: tuple[int, int] | None = None   # set when it first waits: (policy key, arrival order)
     admitted_step: int | None = None           # the scheduler step that last admitted it
+    # longrope models: the K/V is (to be) computed with the long factors; set by the scheduler, which
+    # recomputes a request whose length passes the switch (core/scheduler.py). Part of the prefix-cache key.
+    long_rope: bool = False
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)
     # Tokens whose K/V is in the cache. Prefill, chunked prefill, prefix hits and recompute after

@@ -10,6 +10,11 @@ fcfs or priority, where a waiting request may also preempt less urgent running o
 Parallel samples of one prompt are forks: the first sample prefills the prompt; the others wait until it
 has, then share its blocks (the last, partly filled one copy-on-write) and compute only the last token.
 
+A longrope model (Phi-3) turns a sequence of more than `longrope_switch` tokens with its long factors at every
+position, a shorter one with its short factors (model/layers/rotary.py), as transformers does. When a running
+request grows past the switch, its K/V (computed with the short factors) is dropped and computed again, as a
+preemption by recompute; the worker picks the factors from the request's length, which the plan gives it.
+
 Plans describe requests to the worker by difference (core/plan_builder.py).
 """
 from __future__ import annotations
@@ -27,8 +32,9 @@ from pagedserve.core.waiting_queue import WaitingQueue
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
-                 preemption_mode: str = "recompute") -> None:
+                 preemption_mode: str = "recompute", longrope_switch: int | None = None) -> None:
         self.config = config
+        self.longrope_switch = longrope_switch
         self.kv = kv
         self.max_model_len = max_model_len
         self.preemption_mode = preemption_mode
@@ -64,6 +70,7 @@ class Scheduler:
         if req.req_id in self.requests:
             raise ValueError(f"request id {req.req_id!r} is already in use")
         self.check_request(req.num_prompt_tokens, req.max_tokens)
+        req.long_rope = self.longrope_switch is not None and req.num_tokens > self.longrope_switch
         self.requests[req.req_id] = req
         if fork_of is not None and fork_of.req_id in self.requests and not fork_of.output_token_ids:
             self.pending_forks.setdefault(fork_of.req_id, []).append(req)
@@ -94,6 +101,11 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if self._passes_longrope_switch(req):  # its K/V is computed again, with the long factors
+                self.running.pop(i)
+                self._preempt(req, recompute=True)
+                preempted.append(req.req_id)
+                continue
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             if num_new > 1 and urgent is not None and self.policy.outranks(urgent, req, self.waiting.now):
                 i += 1
@@ -170,6 +182,8 @@ class Scheduler:
         room = min(self.max_model_len, req.num_prompt_tokens + req.max_tokens) - req.num_tokens - 1
         if req.num_computed_tokens != req.num_tokens - 1:
             room = 0
+        if self.longrope_switch is not None and not req.long_rope:  # short factors: positions below the switch
+            room = min(room, self.longrope_switch - req.num_tokens)
         del req.spec_token_ids[max(0, min(room, budget_left)):]
         return len(req.spec_token_ids)
 
@@ -225,8 +239,20 @@ class Scheduler:
     def _plan(self, plan: PlanBuilder, req: Request, num_new: int) -> None:
         self.views.add(plan, req, num_new, self.kv.block_ids(req.req_id))
 
-    def _preempt(self, req: Request) -> None:
-        if self.preemption_mode == "swap" and self.kv.can_swap_out(req):
+    def _passes_longrope_switch(self, req: Request) -> bool:
+        # True when req has just grown past the longrope switch with K/V computed (with the short factors):
+        # from now on it uses the long factors, under another prefix-cache key.
+        if self.longrope_switch is None or req.long_rope or req.num_tokens <= self.longrope_switch:
+            return False
+        req.long_rope = True
+        self.kv.forget_hashes(req)
+        return req.num_computed_tokens > 0
+
+    def _preempt(self, req: Request, recompute: bool = False) -> None:
+        # recompute: drop the K/V whatever the mode. So it is when req has just passed the longrope switch:
+        # what it would swap out was computed with the wrong factors.
+        recompute = self._passes_longrope_switch(req) or recompute
+        if self.preemption_mode == "swap" and not recompute and self.kv.can_swap_out(req):
             self.kv.swap_out(req)  # keeps num_computed_tokens: the K/V comes back with the blocks
             self.num_preemptions_swap += 1
         else:

@@ -168,7 +168,8 @@ class EngineCore:
         self.kv = KVCacheManager(num_blocks, bs, config.cache.enable_prefix_caching, num_host_blocks,
                                  kv_events=self.kv_events, disk=open_disk_tier(config, per_block))
         self.kv_event_publisher = make_publisher(config.kv_events, config.model.model or self.model_name)
-        self.scheduler = Scheduler(config.scheduler, self.kv, max_len, config.cache.preemption_mode)
+        self.scheduler = Scheduler(config.scheduler, self.kv, max_len, config.cache.preemption_mode,
+                                   getattr(loaded.model, "longrope_switch", None))
         self.runner = ModelRunner(loaded.model, kv_caches, bs, hf.vocab_size, device,
                                   config.scheduler.max_num_seqs, max_len, config.model.seed)
         # Grammar matchers live beside the scheduler; the runner masks logits with them before sampling.

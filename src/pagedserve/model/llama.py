@@ -28,7 +28,7 @@ from pagedserve.model.layers.decoder_stack import DecoderStack
 from pagedserve.model.layers.linear import Linear, pack_linear_weights, pack_weight, packed_linear
 from pagedserve.model.layers.norm import RMSNorm
 from pagedserve.model.layers.parallel import embedding, gather_logits
-from pagedserve.model.layers.rotary import RotaryEmbedding
+from pagedserve.model.layers.rotary import RotaryEmbedding, longrope_switch_len
 from pagedserve.model.weight_quant import block_logits
 
 # HF shard name -> (fused param name, shard index)
@@ -68,6 +68,8 @@ class LlamaForCausalLM(nn.Module):
         self.vocab_size = vocab_size or hf_config.vocab_size
         self.family = decoder_family(hf_config)
         self.model = LlamaModel(hf_config, self.family, attn_backend, device, dtype, tp)
+        # longrope: sequences longer than this use the long factors (layers/rotary.py); None otherwise.
+        self.longrope_switch = longrope_switch_len(hf_config) if len(set(self.family.layer_rope)) == 1 else None
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         # Tied: logits reuse the embedding matrix; no separate lm_head parameter exists.
         self.lm_head = None if self.tie_word_embeddings else Linear(
@@ -85,9 +87,15 @@ class LlamaForCausalLM(nn.Module):
         self._stack: DecoderStack | None | bool = False
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata, long_rope: torch.Tensor | None = None) -> torch.Tensor:
+        # long_rope: per token, whether its sequence is past longrope_switch tokens (long factors); None: none is.
         if len(kv_caches) != len(self.model.layers):
             raise ValueError(f"got {len(kv_caches)} kv caches for {len(self.model.layers)} layers")
+        if self.longrope_switch is not None:  # positions become rows of the [short | long] rotary table
+            if long_rope is not None:
+                positions = positions + long_rope.to(positions.dtype) * self.longrope_switch
+            elif positions.numel() and int(positions.max()) >= self.longrope_switch:
+                raise ValueError(f"positions past {self.longrope_switch} need long_rope (longrope's long factors)")
         x = self.model.embed_tokens(input_ids)
         if self.family.embed_scale is not None:  # Gemma; the scale rounded to the activations' dtype, as in HF
             x = x * torch.tensor(self.family.embed_scale, dtype=x.dtype)

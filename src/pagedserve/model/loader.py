@@ -51,7 +51,6 @@ from pagedserve.model.hf_config import HFConfig, read_config
 from pagedserve.model.hf_quant import (HFQuantScheme, checkpoint_quantization, dequantized_checkpoint,
                                        load_quantized_checkpoint)
 from pagedserve.model.layers.parallel import shard_config, shard_weights
-from pagedserve.model.layers.rotary import longrope_max_len
 from pagedserve.model.registry import get_model_class, resolve_architecture
 from pagedserve.model.weight_quant import apply_quantization, resolve_quantization
 
@@ -278,9 +277,8 @@ def _eos_token_ids(path: str, hf_config, tokenizer) -> list[int]:
 
 def _max_model_len(hf_config) -> int:
     # Sliding-window layers attend within their window at any length (model/llama.py), so the window does
-    # not cap the context. longrope serves with its short factors, up to the length they were made for
-    # (layers/rotary.py).
-    return longrope_max_len(hf_config) or int(hf_config.max_position_embeddings)
+    # not cap the context; longrope serves its long factors past its original length (layers/rotary.py).
+    return int(hf_config.max_position_embeddings)
 
 
 # ---------------------------------------------------------------- GGUF conversion

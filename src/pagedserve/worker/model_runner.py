@@ -30,6 +30,7 @@ class StepInputs:
     query_lens: list[int]
     starts: np.ndarray       # num_computed_tokens of each sequence when the step starts
     sample: np.ndarray       # bool per sequence: the step reaches its last token
+    long_rope: torch.Tensor | None = None  # per token: its sequence uses longrope's long factors
 
 
 class ModelRunner:
@@ -94,8 +95,13 @@ class ModelRunner:
             slot_mapping=as_tensor(slots), block_tables=as_tensor(tables), seq_lens=as_tensor(seq_lens),
             query_start_loc=as_tensor(qsl), seq_lens_list=seq_lens.tolist(), query_lens_list=query_lens,
             block_size=bs)
+        # longrope: a sequence of more than the switch length uses the long factors at all its positions.
+        # The scheduler recomputes a sequence's K/V when it grows past the switch (core/scheduler.py), so
+        # its cached keys were always turned with the factors of its current length.
+        switch = getattr(self.model, "longrope_switch", None)
+        long_rope = None if switch is None else as_tensor((batch.num_tokens[rows] > switch)[seq_idx])
         return StepInputs(as_tensor(input_ids), as_tensor(positions), meta, req_ids, query_lens, starts,
-                          seq_lens == batch.num_tokens[rows] + num_spec)
+                          seq_lens == batch.num_tokens[rows] + num_spec, long_rope)
 
     def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
         self.update_states(plan)
@@ -118,7 +124,8 @@ class ModelRunner:
         if not num_scheduled_tokens:  # finished ids and swap-outs only
             return ModelRunnerOutput([], [])
         step = self.build_metadata(num_scheduled_tokens)
-        hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta)
+        extra = {} if step.long_rope is None else {"long_rope": step.long_rope}
+        hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta, **extra)
 
         # The LM head runs only on each sampled request's last token, plus every prompt row of requests that
         # asked for prompt logprobs (worker/prompt_logprobs.py).

@@ -15,9 +15,16 @@ from pagedserve import kernels
 from pagedserve.model.hf_config import as_transformers_config
 
 # "dynamic" (NTK) only rescales once a sequence outgrows max_position_embeddings, and the loader caps
-# max_model_len there, so its frequencies at that length (== default) are exact. "longrope" switches from its
-# short to its long factors once a sequence outgrows original_max_position_embeddings, which one batch of
-# mixed lengths cannot share: the short factors serve, and the loader caps max_model_len at that length.
+# max_model_len there, so its frequencies at that length (== default) are exact. "longrope" uses its short
+# factors for a sequence of at most original_max_position_embeddings tokens and its long ones, at every
+# position, for a longer one (transformers recomputes the cache when a sequence crosses; so does the
+# scheduler). One batch mixes both, so its table has a row per (factor set, position):
+#
+#     rows [0, L)           short factors, positions 0 .. L-1        (L = original_max_position_embeddings)
+#     rows [L, L + max)     long factors, positions 0 .. max-1
+#
+# and the model turns a token's position into its row: position, or L + position in a long sequence
+# (model/llama.py, worker/model_runner.py).
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
 
@@ -38,7 +45,9 @@ def rotary_dim(hf_config, head_dim: int, layer_type: str | None = None) -> int:
     return int(head_dim * (factor or 1.0))
 
 
-def compute_inv_freq(hf_config, head_dim: int, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
+def compute_inv_freq(hf_config, head_dim: int, layer_type: str | None = None,
+                     seq_len: int | None = None) -> tuple[torch.Tensor, float]:
+    # seq_len: the sequence length the frequencies are for (longrope's long factors past its original length).
     params = rope_parameters(hf_config, layer_type)
     rope_type = params["rope_type"]
     if rope_type not in SUPPORTED_ROPE_TYPES:
@@ -50,13 +59,15 @@ def compute_inv_freq(hf_config, head_dim: int, layer_type: str | None = None) ->
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     kwargs = {} if layer_type is None else {"layer_type": layer_type}
+    if seq_len is not None:
+        kwargs["seq_len"] = seq_len
     inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](as_transformers_config(hf_config), None, **kwargs)
     return inv_freq.float(), float(attention_scaling)
 
 
-def longrope_max_len(hf_config) -> int | None:
-    # The longest sequence the short longrope factors serve (rotary.py's module doc), or None: no longrope.
-    params = rope_parameters(hf_config)
+def longrope_switch_len(hf_config, layer_type: str | None = None) -> int | None:
+    # The longest sequence the short longrope factors serve (the module doc), or None: no longrope.
+    params = rope_parameters(hf_config, layer_type)
     if params["rope_type"] != "longrope":
         return None
     return int(params.get("original_max_position_embeddings")
@@ -75,8 +86,13 @@ class RotaryEmbedding(nn.Module):
         # Not persistent: derived from the config, never read from a checkpoint.
         self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
         self.max_positions = int(getattr(hf_config, "max_position_embeddings", 0) or 0)
-        # [max_positions, head_dim] = [cos | sin] of each position's angles, built on first kernel use.
-        # Layers with the same rope parameters share one instance, so there is one table per parameter set.
+        # longrope: the first row of the long factors (the module doc); None for every other rope.
+        self.long_rows_from = longrope_switch_len(hf_config, layer_type)
+        if self.long_rows_from is not None:
+            long_inv_freq = compute_inv_freq(hf_config, head_dim, layer_type, seq_len=self.long_rows_from + 1)[0]
+            self.register_buffer("long_inv_freq", long_inv_freq.to(device), persistent=False)
+        # [rows, rotary_dim] = [cos | sin] of each row's angles, built on first use. Layers with the same
+        # rope parameters share one instance, so there is one table per parameter set.
         self._cos_sin: torch.Tensor | None = None
 
     def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
@@ -96,17 +112,27 @@ class RotaryEmbedding(nn.Module):
 
     def _rotate(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions[:, None].float() * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos = (emb.cos() * self.attention_scaling).to(query.dtype)[:, None, :]
-        sin = (emb.sin() * self.attention_scaling).to(query.dtype)[:, None, :]
+        if self.long_rows_from is not None:  # positions are table rows (the module doc)
+            cos_sin = self._table()[positions]
+            cos, sin = cos_sin.chunk(2, dim=-1)
+            cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+        else:
+            freqs = positions[:, None].float() * self.inv_freq[None, :]
+            emb = torch.cat((freqs, freqs), dim=-1)
+            cos, sin = emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
+        cos, sin = cos.to(query.dtype)[:, None, :], sin.to(query.dtype)[:, None, :]
         return query * cos + _rotate_half(query) * sin, key * cos + _rotate_half(key) * sin
 
     def _table(self) -> torch.Tensor:
         if self._cos_sin is None or self._cos_sin.device != self.inv_freq.device:
-            # Same float32 angles as forward's torch path (position * inv_freq), so the same values.
-            freqs = torch.arange(self.max_positions, device=self.inv_freq.device).float()[:, None] \
-                * self.inv_freq[None, :]
+            # Same float32 angles as _rotate's (position * inv_freq), so the same values.
+            device = self.inv_freq.device
+            if self.long_rows_from is None:
+                freqs = torch.arange(self.max_positions, device=device).float()[:, None] * self.inv_freq[None, :]
+            else:
+                freqs = torch.cat((
+                    torch.arange(self.long_rows_from, device=device).float()[:, None] * self.inv_freq[None, :],
+                    torch.arange(self.max_positions, device=device).float()[:, None] * self.long_inv_freq[None, :]))
             self._cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1) * self.attention_scaling
         return self._cos_sin
 
