@@ -19,15 +19,20 @@ QUANTIZATIONS = ("gguf", "int8", "awq", "gptq", "compressed-tensors", "fp8", "no
 # (model/dummy_weights.py), so a config.json and tokenizer files are enough.
 LOAD_FORMATS = ("auto", "dummy")
 ATTENTION_BACKENDS = ("auto", "reference", "cpu")
-# The default per-step token budget; without chunked prefill a whole prompt must fit one step, so the default
-# grows to max_model_len there (as vLLM). vLLM's CPU servers take 2048; here 512 serves better on an AMX Xeon
-# (bf16, 2 threads, benchmarks/HISTORY.md "Token budget"): 16 streams over HTTP, two runs in swapped order, 512
-# gave 1.13x and 1.15x the output tokens/s of 2048 (TPOT p50 0.87-0.89x: decodes share shorter steps). An
-# offline burst alone prefills 1.9x faster with 2048 (above 512 rows the GGUF blocks go to oneDNN's AMX GEMM
-# on dequantized tiles): batch jobs may want --max-num-batched-tokens 2048.
-CHUNKED_PREFILL_BATCHED_TOKENS = 512
-# The offline LLM's default (vLLM too gives its LLM class a larger budget than its server): nobody waits on a
-# token there, and a burst of 16 prompts prefilled 1.9x faster with 2048 than with 512 (interleaved rounds,
+# The default per-step token budget adapts between these two (core/token_budget.py): the most while few
+# requests decode, down to the floor (plus one token per decode) while many do. Without chunked prefill a whole
+# prompt must fit one step, so the budget is fixed and grows to max_model_len there (as vLLM). Why both ends:
+# vLLM's CPU servers take 2048; a fixed 512 served better on an AMX Xeon (bf16, 2 threads, benchmarks/HISTORY.md
+# "Token budget"): 16 streams over HTTP, two runs in swapped order, 512 gave 1.13x and 1.15x the output tokens/s
+# of 2048 (TPOT p50 0.87-0.89x: decodes share shorter steps), but a burst of prompts prefills 1.9x faster with
+# 2048 (above 512 rows the GGUF blocks go to oneDNN's AMX GEMM on dequantized tiles), which is the TTFT tail.
+CHUNKED_PREFILL_BATCHED_TOKENS = 2048
+MIN_BATCHED_TOKENS = 512
+# A prefill takes at most this many tokens of a step while other requests need the budget (vLLM's
+# --long-prefill-token-threshold), so one long prompt does not hold every short one behind it.
+LONG_PREFILL_TOKEN_THRESHOLD = 512
+# The offline LLM's default, fixed (vLLM too gives its LLM class a larger budget than its server): nobody waits
+# on a token there, and a burst of 16 prompts prefilled 1.9x faster with 2048 than with 512 (interleaved rounds,
 # benchmarks/token_budget.py); the 64-request offline workload measured 358 vs 279 and 297 vs 293 output tok/s
 # in two pairs of runs (benchmarks/HISTORY.md "Token budget").
 OFFLINE_BATCHED_TOKENS = 2048
@@ -131,6 +136,10 @@ class SchedulerConfig:
     # None until resolve_limits: CHUNKED_PREFILL_BATCHED_TOKENS, or max_model_len if larger and chunking is off.
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
+    # The adaptive budget's floor (core/token_budget.py); None: MIN_BATCHED_TOKENS, or max_num_batched_tokens if
+    # smaller (a fixed budget) and always without chunked prefill. Equal to max_num_batched_tokens: fixed.
+    min_num_batched_tokens: int | None = None
+    long_prefill_token_threshold: int = LONG_PREFILL_TOKEN_THRESHOLD  # 0: off
     # "fcfs" or "priority" (requests' `priority`, lower first); core/scheduling_policy.py, docs/scheduling.md.
     scheduling_policy: str = "fcfs"
     # Under "priority", a request that has waited this many steps ranks one level more urgent (no starvation).
@@ -145,6 +154,14 @@ class SchedulerConfig:
             raise ValueError(f"priority_aging_steps must be >= 1, got {self.priority_aging_steps}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.min_num_batched_tokens is not None and self.min_num_batched_tokens < 1:
+            raise ValueError(f"min_num_batched_tokens must be >= 1, got {self.min_num_batched_tokens}")
+        if (self.min_num_batched_tokens is not None and self.max_num_batched_tokens is not None
+                and self.min_num_batched_tokens > self.max_num_batched_tokens):
+            raise ValueError(f"min_num_batched_tokens ({self.min_num_batched_tokens}) must not exceed "
+                             f"max_num_batched_tokens ({self.max_num_batched_tokens})")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
 
     def check_fits(self, max_model_len: int) -> None:
         # Without chunking a prompt is prefilled in one step; a longer one would wait forever at the head of
@@ -360,6 +377,15 @@ def resolve_limits(config: EngineConfig, model_max_len: int, num_blocks: int) ->
         if not sched.enable_chunked_prefill:
             budget = max(budget, max_len)
         sched = dataclasses.replace(sched, max_num_batched_tokens=budget)
+    floor = sched.min_num_batched_tokens
+    if not sched.enable_chunked_prefill:
+        floor = sched.max_num_batched_tokens  # a whole prompt must fit every step's budget
+    elif floor is None:
+        floor = min(MIN_BATCHED_TOKENS, sched.max_num_batched_tokens)
+    elif floor > sched.max_num_batched_tokens:
+        raise ValueError(f"min_num_batched_tokens ({floor}) must not exceed max_num_batched_tokens "
+                         f"({sched.max_num_batched_tokens})")
+    sched = dataclasses.replace(sched, min_num_batched_tokens=floor)
     sched.check_fits(max_len)
     return dataclasses.replace(config, model=dataclasses.replace(config.model, max_model_len=max_len),
                                scheduler=sched)

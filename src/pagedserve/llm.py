@@ -20,9 +20,10 @@ logger = logging.getLogger(__name__)
 class LLM:
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         # kwargs are EngineArgs fields; an unknown one is a TypeError naming it. With chunked prefill the default
-        # token budget is the offline one (config.OFFLINE_BATCHED_TOKENS); without, the engine sizes it.
+        # token budget is the offline one, fixed (config.OFFLINE_BATCHED_TOKENS); without, the engine sizes it.
         if kwargs.get("enable_chunked_prefill", True) and kwargs.get("max_num_batched_tokens") is None:
             kwargs["max_num_batched_tokens"] = OFFLINE_BATCHED_TOKENS
+            kwargs.setdefault("min_num_batched_tokens", OFFLINE_BATCHED_TOKENS)
         self.llm_engine = LLMEngine(EngineArgs(model=model, **kwargs).create_engine_config())
         self._thread_id = threading.get_ident()
         self._warned_thread = False

@@ -35,7 +35,8 @@ def test_cli_flags_reach_the_config():
                   "--preemption-mode", "swap", "--max-num-seqs", "3", "--max-num-batched-tokens", "300",
                   "--no-enable-chunked-prefill", "--device", "cpu", "--num-threads", "2",
                   "--attention-backend", "reference", "--chat-template", "t.jinja", "--scheduling-policy", "priority",
-                  "--priority-aging-steps", "7")
+                  "--priority-aging-steps", "7", "--min-num-batched-tokens", "100", "--long-prefill-token-threshold",
+                  "64")
     c = EngineArgs.from_cli_args(args).create_engine_config()
     assert (c.model.model, c.model.tokenizer, c.model.max_model_len, c.model.dtype, c.model.seed) == \
         ("m.gguf", "tok", 300, "bfloat16", 7)
@@ -45,6 +46,7 @@ def test_cli_flags_reach_the_config():
     assert (c.scheduler.max_num_seqs, c.scheduler.max_num_batched_tokens) == (3, 300)
     assert not c.scheduler.enable_chunked_prefill
     assert (c.scheduler.scheduling_policy, c.scheduler.priority_aging_steps) == ("priority", 7)
+    assert (c.scheduler.min_num_batched_tokens, c.scheduler.long_prefill_token_threshold) == (100, 64)
     assert (c.device.device, c.device.num_threads) == ("cpu", 2)
 
 
@@ -67,6 +69,7 @@ def test_unknown_option_names_the_key():
     (dict(num_gpu_blocks_override=0), "num_gpu_blocks_override"), (dict(num_threads=0), "num_threads"),
     (dict(attention_backend="fast"), "attention_backend"), (dict(max_num_batched_tokens=0), "max_num_batched"),
     (dict(scheduling_policy="lifo"), "scheduling_policy"), (dict(priority_aging_steps=0), "priority_aging_steps"),
+    (dict(min_num_batched_tokens=0), "min_num_batched"), (dict(long_prefill_token_threshold=-1), "long_prefill"),
     # Known before the model loads: an unchunked prompt of max_model_len tokens could never be scheduled.
     (dict(enable_chunked_prefill=False, max_num_batched_tokens=100, max_model_len=200), "max_num_batched_tokens"),
 ])
@@ -126,14 +129,27 @@ def test_envs_are_read_at_call_time(monkeypatch, tmp_path):
     assert envs.cache_dir().endswith("pagedserve") and envs.kernels_enabled()
 
 
-def test_offline_llm_takes_the_larger_budget_the_server_the_smaller():
+def test_offline_llm_takes_a_fixed_budget_the_server_an_adaptive_one():
     from pagedserve import LLM
-    from pagedserve.config import OFFLINE_BATCHED_TOKENS
+    from pagedserve.config import MIN_BATCHED_TOKENS, OFFLINE_BATCHED_TOKENS
 
-    budget = lambda llm: llm.llm_engine.core.config.scheduler.max_num_batched_tokens  # noqa: E731
-    assert budget(LLM(num_gpu_blocks_override=256)) == OFFLINE_BATCHED_TOKENS != CHUNKED_PREFILL_BATCHED_TOKENS
-    assert budget(LLM(num_gpu_blocks_override=256, max_num_batched_tokens=300)) == 300
+    def budget(llm):
+        sched = llm.llm_engine.core.config.scheduler
+        return sched.min_num_batched_tokens, sched.max_num_batched_tokens
+
+    assert budget(LLM(num_gpu_blocks_override=256)) == (OFFLINE_BATCHED_TOKENS, OFFLINE_BATCHED_TOKENS)
+    assert budget(LLM(num_gpu_blocks_override=256, max_num_batched_tokens=300)) == (300, 300)
     unchunked = LLM(num_gpu_blocks_override=256, enable_chunked_prefill=False)  # sized to the context instead
-    assert budget(unchunked) == unchunked.llm_engine.core.config.model.max_model_len == 256 * 16
-    # The server's engine args (EngineArgs, as `pagedserve serve` builds them) keep the serving default.
-    assert resolve_limits(_config(), 8192, 1000).scheduler.max_num_batched_tokens == CHUNKED_PREFILL_BATCHED_TOKENS
+    assert budget(unchunked) == (256 * 16, 256 * 16) == (unchunked.llm_engine.core.config.model.max_model_len,) * 2
+    # The server's engine args (EngineArgs, as `pagedserve serve` builds them) adapt between the two defaults;
+    # an explicit maximum keeps the floor unless it is below it (then the budget is fixed).
+    sched = lambda **kw: resolve_limits(_config(**kw), 8192, 1000).scheduler  # noqa: E731
+    assert (sched().min_num_batched_tokens, sched().max_num_batched_tokens) == \
+        (MIN_BATCHED_TOKENS, CHUNKED_PREFILL_BATCHED_TOKENS) == (512, 2048)
+    assert sched(max_num_batched_tokens=4096).min_num_batched_tokens == 512
+    assert sched(max_num_batched_tokens=256).min_num_batched_tokens == 256
+    assert sched(max_num_batched_tokens=4096, min_num_batched_tokens=1024).min_num_batched_tokens == 1024
+    with pytest.raises(ValueError, match=r"min_num_batched_tokens \(1024\) must not exceed"):
+        sched(min_num_batched_tokens=1024, max_num_batched_tokens=600)
+    with pytest.raises(ValueError, match=r"min_num_batched_tokens \(4096\) must not exceed"):
+        sched(min_num_batched_tokens=4096)

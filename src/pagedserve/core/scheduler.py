@@ -22,6 +22,7 @@ from __future__ import annotations
 import time
 
 from pagedserve.config import SchedulerConfig
+from pagedserve.core import token_budget
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.plan_builder import PlanBuilder, WorkerViews
 from pagedserve.core.request import Request, RequestStatus
@@ -87,13 +88,15 @@ class Scheduler:
         return bool(self.requests)
 
     def schedule(self) -> SchedulerOutput:
-        budget = self.config.max_num_batched_tokens
         plan = PlanBuilder()
         preempted: list[str] = []
         self.waiting.now += 1
         self.policy.order_running(self.running)
+        budget = step_budget = token_budget.step_budget(self.config, self.running)
         self._preempt_for_waiting(preempted, budget)
         num_preempted_for_waiting = len(preempted)
+        # Long prefills capped to the threshold: (request, tokens given, tokens wanted), planned last (_top_up).
+        capped: list[tuple[Request, int, int]] = []
 
         # Under the priority policy a running prefill pauses while a waiting request outranks it, so the
         # budget goes to the urgent one's prefill; decodes always run.
@@ -110,6 +113,7 @@ class Scheduler:
             if num_new > 1 and urgent is not None and self.policy.outranks(urgent, req, self.waiting.now):
                 i += 1
                 continue
+            wanted, num_new = num_new, self._cap_prefill(num_new)
             num_new += self._trim_drafts(req, budget - num_new)
             while (new_ids := self.kv.allocate_slots(req, num_new)) is None:
                 if req.spec_token_ids:  # drop the drafts before preempting anyone
@@ -123,7 +127,10 @@ class Scheduler:
                     break
             if new_ids is None:
                 break
-            self._plan(plan, req, num_new)
+            if wanted > num_new:
+                capped.append((req, num_new, wanted))
+            else:
+                self._plan(plan, req, num_new)
             budget -= num_new
             i += 1
 
@@ -157,7 +164,8 @@ class Scheduler:
             num_new = req.num_tokens - num_hit_tokens
             if num_new > budget and not self.config.enable_chunked_prefill:
                 break
-            num_new = min(num_new, budget)
+            wanted = min(num_new, budget)
+            num_new = self._cap_prefill(wanted)
             if self.kv.allocate_slots(req, num_new, hits) is None:
                 break
             self.kv.record_prefix_query(req, num_hit_tokens)
@@ -165,14 +173,34 @@ class Scheduler:
             if req.num_preemptions == 0:
                 req.num_cached_tokens = num_hit_tokens
             self._admit(req)
-            self._plan(plan, req, num_new)
+            if wanted > num_new:
+                capped.append((req, num_new, wanted))
+            else:
+                self._plan(plan, req, num_new)
             budget -= num_new
 
+        budget = self._top_up(plan, capped, budget)
         finished, self._finished_since_plan = self._finished_since_plan, []
         return SchedulerOutput(plan.new_reqs, plan.cached, plan.num_scheduled_tokens,
-                               self.config.max_num_batched_tokens - budget, preempted, finished,
+                               step_budget - budget, preempted, finished,
                                self.kv.take_block_ops(), plan.num_prompt_tokens, plan.num_sampling_reqs,
                                plan.spec_tokens)
+
+    def _cap_prefill(self, num_new: int) -> int:
+        threshold = self.config.long_prefill_token_threshold
+        if not threshold or not self.config.enable_chunked_prefill:
+            return num_new
+        return min(num_new, threshold)
+
+    def _top_up(self, plan: PlanBuilder, capped: list[tuple[Request, int, int]], budget: int) -> int:
+        # What the step has left goes back to the prefills capped at the threshold, in batch order.
+        for req, num_new, wanted in capped:
+            extra = min(wanted - num_new, budget)
+            if extra > 0 and self.kv.allocate_slots(req, num_new + extra) is not None:
+                num_new += extra
+                budget -= extra
+            self._plan(plan, req, num_new)
+        return budget
 
     def _trim_drafts(self, req: Request, budget_left: int) -> int:
         # Drafts ride only on a decode step (all tokens but the last computed) and never reach past the

@@ -9,7 +9,8 @@ import argparse
 from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
-from pagedserve.config import (ATTENTION_BACKENDS, CHUNKED_PREFILL_BATCHED_TOKENS, DTYPES, LOAD_FORMATS, QUANTIZATIONS,
+from pagedserve.config import (ATTENTION_BACKENDS, CHUNKED_PREFILL_BATCHED_TOKENS, DTYPES, LOAD_FORMATS,
+                               MIN_BATCHED_TOKENS, QUANTIZATIONS,
                                CacheConfig, DeviceConfig, EngineConfig, KVEventsConfig, ModelConfig, ParallelConfig,
                                SchedulerConfig, SpeculativeConfig, StructuredOutputsConfig)
 from pagedserve.core.kv_disk import check_offload_config
@@ -49,6 +50,8 @@ class EngineArgs:
     max_num_seqs: int = _default(SchedulerConfig, "max_num_seqs")
     max_num_batched_tokens: int | None = _default(SchedulerConfig, "max_num_batched_tokens")
     enable_chunked_prefill: bool = _default(SchedulerConfig, "enable_chunked_prefill")
+    min_num_batched_tokens: int | None = _default(SchedulerConfig, "min_num_batched_tokens")
+    long_prefill_token_threshold: int = _default(SchedulerConfig, "long_prefill_token_threshold")
     scheduling_policy: str = _default(SchedulerConfig, "scheduling_policy")
     priority_aging_steps: int = _default(SchedulerConfig, "priority_aging_steps")
     device: str = _default(DeviceConfig, "device")
@@ -112,8 +115,16 @@ class EngineArgs:
                        help="bound on the disk tier's files; the least recently used go first (default: none)")
         g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="requests per step")
         g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
-                       help=f"tokens per step (default: {CHUNKED_PREFILL_BATCHED_TOKENS}, or max_model_len "
-                            "if larger and chunked prefill is off)")
+                       help=f"most tokens per step (default: {CHUNKED_PREFILL_BATCHED_TOKENS}, or max_model_len "
+                            "if larger and chunked prefill is off); the budget adapts down to "
+                            "--min-num-batched-tokens while many requests decode (docs/scheduling.md)")
+        g.add_argument("--min-num-batched-tokens", type=int, default=d.min_num_batched_tokens,
+                       help=f"the adaptive budget's floor, plus one token per decoding request (default: "
+                            f"{MIN_BATCHED_TOKENS} or --max-num-batched-tokens if smaller; equal to it: a fixed "
+                            "budget; without chunked prefill always fixed)")
+        g.add_argument("--long-prefill-token-threshold", type=int, default=d.long_prefill_token_threshold,
+                       help="a prompt takes at most this many tokens of a step while others need the budget, so "
+                            "one long prompt does not hold every short one (0: off)")
         g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
                        default=d.enable_chunked_prefill)
         g.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default=d.scheduling_policy,
@@ -149,6 +160,8 @@ class EngineArgs:
         # Each config checks its own fields; what spans fields and is known before the model loads is checked
         # here, and config.resolve_limits finishes once the model's context and the KV pool are known.
         scheduler = SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.enable_chunked_prefill,
+                                    min_num_batched_tokens=self.min_num_batched_tokens,
+                                    long_prefill_token_threshold=self.long_prefill_token_threshold,
                                     scheduling_policy=self.scheduling_policy,
                                     priority_aging_steps=self.priority_aging_steps)
         if self.max_model_len is not None:
