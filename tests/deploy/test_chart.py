@@ -32,6 +32,9 @@ CASES = {
     "inference-pool": {"inferencePool": {"enabled": True}, "model": {"servedModelName": ["smol"]},
                        "server": {"blockSize": 32}},
     "metrics-prefix-pagedserve": {"server": {"metricsPrefix": "pagedserve"}},
+    # The prefix cache's disk tier on a volume the replicas share (docs/replicas.md).
+    "kv-offload": {"kvOffload": {"volume": {"persistentVolumeClaim": {"claimName": "kv-cache"}},
+                                 "maxBytes": 20_000_000_000}},
 }
 
 
@@ -158,6 +161,13 @@ def test_pod_command_line_parses_with_the_project_parser(case, tmp_path):
         assert mount["mountPath"] == "/models" and mount["readOnly"] is True
     else:
         assert args["model"] is None  # the embedded model
+    if name == "kv-offload":
+        assert (args["kv_offload_dir"], args["kv_offload_max_bytes"]) == ("/kv-offload", 20_000_000_000)
+        pod = by_kind(objects)["Deployment"]["spec"]["template"]["spec"]
+        assert c["volumeMounts"] == [{"name": "kv-offload", "mountPath": "/kv-offload"}]  # writable
+        assert pod["volumes"] == [{"name": "kv-offload", "persistentVolumeClaim": {"claimName": "kv-cache"}}]
+    else:
+        assert "--kv-offload-dir" not in c["args"]
 
 
 @pytest.mark.parametrize("name", ["api-key-value", "api-key-existing-secret", "defaults"])

@@ -114,6 +114,14 @@ Kubernetes expands $(POD_IP) from the container's environment. */}}
 - --kv-events-config
 - {{ dict "enable_kv_cache_events" true "publisher" "zmq" "endpoint" (printf "tcp://*:%v" .Values.kvEvents.port) "topic" (include "pagedserve.kvEventsTopic" .) | toJson | quote }}
 {{- end }}
+{{- if .Values.kvOffload.volume }}
+- --kv-offload-dir
+- {{ .Values.kvOffload.mountPath | quote }}
+{{- with .Values.kvOffload.maxBytes }}
+- --kv-offload-max-bytes
+- {{ . | int64 | quote }}
+{{- end }}
+{{- end }}
 {{- range $flag, $value := dict "--block-size" $s.blockSize "--max-model-len" $s.maxModelLen "--max-num-seqs" $s.maxNumSeqs "--kv-cache-memory" $s.kvCacheMemory "--num-threads" $s.numThreads }}
 {{- if not (kindIs "invalid" $value) }}
 - {{ $flag }}
