@@ -88,3 +88,52 @@ def test_kv_written_at_slots() -> None:
 def test_unknown_backend() -> None:
     with pytest.raises(ValueError, match="reference"):
         get_attention_backend("nope")
+
+
+def dense_windowed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int) -> torch.Tensor:
+    # Query position p sees keys p - window + 1 .. p, written out over the whole sequence.
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    pos = torch.arange(q.shape[0])
+    mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - window)
+    o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
+                                       scale=scale)
+    return o.transpose(0, 1)
+
+
+@pytest.mark.parametrize("window", [1, 3, 6])
+def test_sliding_window_matches_dense(window: int) -> None:
+    from pagedserve.attention.reference import ReferenceAttentionBackend
+
+    gen = torch.Generator().manual_seed(window)
+    total_lens = [sum(c) for c in CHUNKS]
+    qs = [torch.randn(n, 4, HEAD_DIM, generator=gen) for n in total_lens]
+    ks = [torch.randn(n, 2, HEAD_DIM, generator=gen) for n in total_lens]
+    vs = [torch.randn(n, 2, HEAD_DIM, generator=gen) for n in total_lens]
+    tables = scattered_block_tables(total_lens, BLOCK_SIZE, 40, seed=window)
+    kv_cache = 100 * torch.randn(2, 40, BLOCK_SIZE, 2, HEAD_DIM, generator=gen)
+    got = run_backend_chunks(ReferenceAttentionBackend(sliding_window=window), qs, ks, vs, tables, kv_cache, 0.3)
+    for i, (g, q, k, v) in enumerate(zip(got, qs, ks, vs)):
+        torch.testing.assert_close(g, dense_windowed(q, k, v, 0.3, window), atol=1e-5, rtol=1e-5,
+                                   msg=lambda m: f"sequence {i}: {m}")
+
+
+def test_sliding_window_reads_only_blocks_in_the_window() -> None:
+    # 40 cached tokens, window 6, blocks of 4: a decode at position 40 sees keys 35..40 and a chunk at
+    # positions 36..40 sees keys 31..40, so blocks 0..6 (positions 0..27) are never read: NaN there would
+    # make every output NaN.
+    from pagedserve.attention.reference import ReferenceAttentionBackend
+
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(41, h, HEAD_DIM, generator=gen) for h in (4, 2, 2))
+    table = list(range(11))
+    backend = ReferenceAttentionBackend(sliding_window=6)
+    want = dense_windowed(q, k, v, 0.3, 6)
+    for context, q_len in ((40, 1), (36, 5)):
+        kv_cache = torch.zeros(2, 11, BLOCK_SIZE, 2, HEAD_DIM)
+        kv_cache[0].view(-1, 2, HEAD_DIM)[:41], kv_cache[1].view(-1, 2, HEAD_DIM)[:41] = k, v
+        kv_cache[:, :7] = float("nan")
+        meta = build_attention_metadata([(context, q_len)], [table], BLOCK_SIZE)
+        s = slice(context, context + q_len)
+        got = backend.forward(q[s], k[s], v[s], kv_cache, meta, 0.3)
+        torch.testing.assert_close(got, want[s], atol=1e-5, rtol=1e-5)

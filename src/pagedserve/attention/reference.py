@@ -12,7 +12,12 @@ Sequences are split by query length:
         query 6:  x x x x x x x
 
 K/V are gathered through block tables only transiently inside the call; nothing contiguous per request
-outlives it. Loop bounds come from the host lists in the metadata so CUDA never syncs on .item().
+outlives it. With a sliding window W only the blocks that hold a key some query can see are gathered (from
+the block of position context_len - W + 1 on), so a windowed layer reads O(W) keys per sequence, not the
+whole context:
+
+        keys:     0 1 2 3 | 4 5 6 7 | 8 9        (block size 4, W = 3, decode at position 9)
+        gathered:           [4 5 6 7 | 8 9]      seen: 7 8 9 Loop bounds come from the host lists in the metadata so CUDA never syncs on .item().
 An 8-bit cache (attention/kv_quant.py) is quantized as it is written and dequantized to the query's dtype as
 it is gathered; the attention arithmetic is the same.
 """
@@ -93,14 +98,22 @@ class ReferenceAttentionBackend:
             tok_idx = torch.tensor([query_starts[i] for i in decode_ids], device=query.device)
             q, block_tables, seq_lens = query[tok_idx], meta.block_tables[seq_idx], meta.seq_lens[seq_idx]
         batch, num_heads = q.shape[0], q.shape[1]
+        slot = torch.arange(block_size, device=query.device)
+        if self.sliding_window is None:
+            positions = torch.arange(num_blocks * block_size, device=query.device)[None, :]
+        else:  # each sequence's blocks from the one holding its first visible key
+            first = ((seq_lens - self.sliding_window).clamp(min=0) // block_size)[:, None]
+            num_blocks = min(num_blocks, -(-self.sliding_window // block_size) + 1)
+            cols = first + torch.arange(num_blocks, device=query.device)[None, :]  # may run past a table's end
+            block_tables = block_tables.gather(1, cols.clamp(max=block_tables.shape[1] - 1))
+            positions = (cols[:, :, None] * block_size + slot).flatten(1)
         keys, values = gather_kv(kv_cache, block_tables, num_blocks, query.dtype)  # [B, L, Hkv, D]
         # GQA: query head h reads kv head h // group, so [B, Hq, D] -> [B, Hkv, group, D] treats the group
         # as SDPA's "query length" axis; no K/V repeat is materialized.
         q = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
-        positions = torch.arange(num_blocks * block_size, device=query.device)
-        mask = positions[None, :] < seq_lens[:, None]  # padding and stale slots off
+        mask = positions < seq_lens[:, None]  # padding and stale slots off
         if self.sliding_window is not None:
-            mask &= positions[None, :] >= seq_lens[:, None] - self.sliding_window
+            mask &= positions >= seq_lens[:, None] - self.sliding_window
         mask = mask.view(batch, 1, 1, -1)
         o = self._attend(q, keys.transpose(1, 2), values.transpose(1, 2), mask, scale)
         o = o.reshape(batch, num_heads, head_dim).to(out.dtype)
@@ -113,15 +126,19 @@ class ReferenceAttentionBackend:
                      scale: float) -> torch.Tensor:
         block_size = kv_cache.shape[2]
         q_len = q.shape[0]
-        keys, values = gather_kv(kv_cache, block_table[None], -(-seq_len // block_size), q.dtype)
-        keys, values = keys[0, :seq_len].transpose(0, 1)[None], values[0, :seq_len].transpose(0, 1)[None]
+        context_len = seq_len - q_len
+        # Keys from the block of the first one a query sees (window) or from 0: key_pos0 .. seq_len - 1.
+        first = 0 if self.sliding_window is None else max(0, context_len - self.sliding_window + 1) // block_size
+        key_pos0 = first * block_size
+        keys, values = gather_kv(kv_cache, block_table[None, first:], -(-seq_len // block_size) - first, q.dtype)
+        keys = keys[0, :seq_len - key_pos0].transpose(0, 1)[None]
+        values = values[0, :seq_len - key_pos0].transpose(0, 1)[None]
         q = q.transpose(0, 1)[None]  # [1, Hq, q_len, D]
         if q_len == seq_len and self.sliding_window is None and self.logit_softcap is None:
             # SDPA's top-left causal mask is exactly right
             o = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale, enable_gqa=True)
         else:
-            context_len = seq_len - q_len
-            key_pos = torch.arange(seq_len, device=q.device)
+            key_pos = torch.arange(key_pos0, seq_len, device=q.device)
             query_pos = torch.arange(q_len, device=q.device) + context_len
             mask = key_pos[None, :] <= query_pos[:, None]
             if self.sliding_window is not None:

@@ -4,7 +4,9 @@ and a paged KV cache; model/family.py reads what differs from the config, model/
 Sliding-window layers (Mistral v0.1, Qwen2 with use_sliding_window, Gemma's local layers, Phi-3) attend to
 the last `sliding_window` positions (the token itself included, as in transformers) through the reference
 backend with a window mask, as do soft-capped layers (Gemma 2): the compiled CPU kernel has neither, so it
-serves only the other layers. Every block stays allocated (no freeing of blocks that slid out of the window).
+serves only the other layers. A windowed layer reads only the blocks that hold keys inside its window
+(attention/reference.py); every block stays allocated: Gemma's global layers read every block anyway, and
+freed blocks would leave holes in the block tables and the prefix cache (docs/how_it_works.md).
 
 On CPU, when every layer qualifies (plain Llama layers, GGUF block weights, the compiled attention kernel;
 layers/decoder_stack.py), forward runs all layers in one compiled call of the same ops, bit-identical to the
