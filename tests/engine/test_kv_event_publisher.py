@@ -13,7 +13,8 @@ from pagedserve.config import KVEventsConfig
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.kv_events import AllBlocksCleared, KVEventCollector
 from pagedserve.engine.arg_utils import EngineArgs
-from pagedserve.engine.kv_event_publisher import ZmqEventPublisher, default_topic, encode_batch
+from pagedserve.engine.kv_event_publisher import (ZmqEventPublisher, default_topic, encode_batch,
+                                                  with_served_model_topic)
 from tests.core.helpers import make_request
 from tests.core.test_cache_salt import prefill, salted
 from tests.core.test_kv_events import chain
@@ -212,3 +213,12 @@ def test_default_topic_names_the_pod_ip(monkeypatch):
     assert default_topic("smol") == "kv@10.0.0.7@smol"
     monkeypatch.delenv("POD_IP")
     assert default_topic("m").startswith("kv@") and default_topic("m").endswith("@m")
+
+
+def test_the_server_names_the_served_model_in_the_topic(monkeypatch):
+    monkeypatch.setenv("POD_IP", "10.0.0.8")
+    config = EngineArgs(kv_events_config={"enable_kv_cache_events": True}).create_engine_config()
+    assert with_served_model_topic(config, "smol").kv_events.topic == "kv@10.0.0.8@smol"
+    pinned = EngineArgs(kv_events_config={"enable_kv_cache_events": True, "topic": "kv@x@y"}).create_engine_config()
+    assert with_served_model_topic(pinned, "smol").kv_events.topic == "kv@x@y"
+    assert with_served_model_topic(EngineArgs().create_engine_config(), "smol").kv_events is None

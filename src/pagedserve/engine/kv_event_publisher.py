@@ -19,6 +19,7 @@ A thread owns both sockets (ZMQ sockets are not thread-safe); the engine thread 
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import queue
@@ -30,7 +31,7 @@ from collections import deque
 import msgpack
 import zmq
 
-from pagedserve.config import KVEventsConfig
+from pagedserve.config import EngineConfig, KVEventsConfig
 from pagedserve.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 logger = logging.getLogger(__name__)
@@ -49,6 +50,15 @@ def default_topic(model: str) -> str:
         except OSError:
             pod_ip = "127.0.0.1"
     return f"kv@{pod_ip}@{model}"
+
+
+def with_served_model_topic(config: EngineConfig, served_name: str) -> EngineConfig:
+    # Routers match the topic's model against the "model" requests carry: the served name, which only the
+    # server knows (the engine's default is the model's own name).
+    if config.kv_events is None or config.kv_events.topic:
+        return config
+    return dataclasses.replace(config, kv_events=dataclasses.replace(config.kv_events,
+                                                                     topic=default_topic(served_name)))
 
 
 def wire(event: KVEvent) -> list:

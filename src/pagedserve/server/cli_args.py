@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import signal
 from typing import Callable
@@ -142,12 +141,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         tune_for_serving()  # before the engine thread and the weights (pagedserve/malloc.py)
 
         config = EngineArgs.from_cli_args(args).create_engine_config()
-        if config.kv_events is not None and not config.kv_events.topic and args.served_model_name:
-            # Routers match the topic's model against the model requests name: the served name.
-            from pagedserve.engine.kv_event_publisher import default_topic
+        if args.served_model_name:
+            from pagedserve.engine.kv_event_publisher import with_served_model_topic
 
-            config = dataclasses.replace(config, kv_events=dataclasses.replace(
-                config.kv_events, topic=default_topic(args.served_model_name[0])))
+            config = with_served_model_topic(config, args.served_model_name[0])
         engine = AsyncLLMEngine.from_config(config)
         name = (args.served_model_name or [args.model or engine.model_name])[0]
         logger.info("model: %s (served as %r, max_model_len %d)", args.model or engine.model_name, name,
