@@ -12,10 +12,11 @@ import sys
 
 from pagedserve.bench.client import Endpoint, Unreachable, list_models, normalize_base_url, send_request
 from pagedserve.bench.dataset import BenchRequest, load_dataset, parse_range, random_requests
-from pagedserve.bench.metrics import SLO, compute_metrics
+from pagedserve.bench.metrics import SLO
 from pagedserve.bench.plot import load_point_label, plot_sweep
 from pagedserve.bench.report import format_comparison, format_run, load_label, ratios, run_to_dict, write_json
-from pagedserve.bench.runner import make_client, run_load
+from pagedserve.bench.runner import make_client, run_measured
+from pagedserve.bench.sweep import run_sweeps
 
 
 def _rate(text: str) -> float:
@@ -23,6 +24,16 @@ def _rate(text: str) -> float:
     if not rate > 0:
         raise argparse.ArgumentTypeError(f"request rate must be > 0 or 'inf', got {text!r}")
     return rate
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
 
 
 def _positive_int(text: str) -> int:
@@ -41,14 +52,22 @@ def add_bench_args(p: argparse.ArgumentParser, require_url: bool = True) -> None
     g.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="default: $OPENAI_API_KEY")
     g.add_argument("--endpoint-type", choices=["completions", "chat"], default="completions")
     g = p.add_argument_group("workload")
-    g.add_argument("--dataset", default="random", help="'random', FILE.jsonl ({prompt, output_len?}) or a ShareGPT .json")
+    g.add_argument("--dataset", default="random",
+                   help="'random', 'prefix_repetition' (vLLM's), 'generated-shared-prefix' (SGLang's), "
+                        "FILE.jsonl ({prompt, output_len?}) or a ShareGPT .json")
     g.add_argument("--num-prompts", type=_positive_int, default=None, help="default: 100 random, or all of a file")
     g.add_argument("--input-len", type=parse_range, default=(64, 256), metavar="N|LO-HI",
                    help="random prompt length in words, ~1 token each (default 64-256)")
     g.add_argument("--output-len", type=parse_range, default=None, metavar="N|LO-HI",
                    help="max_tokens per request (default 32-128; a file's own lengths win)")
     g.add_argument("--shared-prefix-len", type=int, default=0, metavar="N",
-                   help="a common prefix of N words before every prompt (a long system prompt)")
+                   help="a common prefix of N words before every prompt (a long system prompt); for the "
+                        "shared-prefix workloads, each prefix's length (default 256)")
+    g.add_argument("--num-prefixes", type=_positive_int, default=10, metavar="N",
+                   help="prefix_repetition: distinct prefixes; generated-shared-prefix: groups, each with its "
+                        "own system prompt (default 10)")
+    g.add_argument("--num-turns", type=_positive_int, default=1, metavar="N",
+                   help="generated-shared-prefix: turns per conversation, each prompt extending the last")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--words-variant", type=int, default=0, metavar="N",
                    help="draw the random prompts' words (not their lengths or the shared prefix) from stream N: "
@@ -58,6 +77,9 @@ def add_bench_args(p: argparse.ArgumentParser, require_url: bool = True) -> None
                    help="Poisson arrival rate(s) in req/s, or inf; several values sweep")
     g.add_argument("--concurrency", type=_positive_int, nargs="+", default=None, metavar="C",
                    help="cap on requests in flight; several values sweep")
+    g.add_argument("--burstiness", type=_positive_float, default=1.0, metavar="B",
+                   help="arrival gaps drawn from a gamma distribution of shape B and the rate's mean (vLLM's "
+                        "flag): 1 is Poisson, below 1 burstier, above 1 more regular")
     g.add_argument("--warmup", type=int, default=1, metavar="N", help="untimed requests per endpoint first")
     g.add_argument("--timeout", type=float, default=600.0, metavar="S", help="per-read timeout")
     g = p.add_argument_group("sampling")
@@ -69,6 +91,16 @@ def add_bench_args(p: argparse.ArgumentParser, require_url: bool = True) -> None
     g.add_argument("--slo-ttft", type=float, default=None, metavar="S", help="time-to-first-token target, seconds")
     g.add_argument("--slo-tpot", type=float, default=None, metavar="S", help="time-per-output-token target, seconds")
     g.add_argument("--slo-e2e", type=float, default=None, metavar="S", help="end-to-end latency target, seconds")
+    g.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
+                   help="vLLM's form of the targets, in milliseconds: ttft:MS tpot:MS e2el:MS")
+    g.add_argument("--sweep", action="store_true",
+                   help="find the highest request rate at which --sweep-attainment of the requests meet the SLO "
+                        "(open loop; starts at the first finite --request-rate, else 1 req/s)")
+    g.add_argument("--sweep-attainment", type=float, default=0.9, metavar="F",
+                   help="share of requests that must meet the SLO (default 0.9)")
+    g.add_argument("--sweep-steps", type=int, default=4, metavar="N", help="bisection steps after bracketing")
+    g.add_argument("--sweep-max-rate", type=_positive_float, default=None, metavar="R",
+                   help="highest rate the sweep tries (req/s)")
     g.add_argument("--price-per-hour", type=float, default=None, metavar="USD", help="hourly price of the deployment")
     g = p.add_argument_group("output")
     g.add_argument("--out", default=None, metavar="FILE.json", help="JSON report, rewritten after every run")
@@ -100,7 +132,21 @@ def workload(args: argparse.Namespace, point: int = 0) -> list[BenchRequest]:
     output_len = args.output_len or (32, 128)
     return load_dataset(args.dataset, args.num_prompts, args.input_len, output_len, args.shared_prefix_len,
                         args.seed, output_len_given=args.output_len is not None,
-                        variant=1000 * args.words_variant + point)
+                        variant=1000 * args.words_variant + point, num_prefixes=args.num_prefixes,
+                        num_turns=args.num_turns)
+
+
+def slo_of(args: argparse.Namespace) -> SLO:
+    # --slo-* in seconds and --goodput in milliseconds name the same targets; a target given twice is an error.
+    slo = SLO(args.slo_ttft, args.slo_tpot, args.slo_e2e)
+    if not args.goodput:
+        return slo
+    g = SLO.parse_goodput(args.goodput)
+    keys = ("ttft_s", "tpot_s", "e2el_s")
+    both = [k for k in keys if getattr(slo, k) is not None and getattr(g, k) is not None]
+    if both:
+        raise ValueError(f"{', '.join(k.removesuffix('_s') for k in both)} given by both --goodput and --slo-*")
+    return SLO(*(getattr(g, k) if getattr(g, k) is not None else getattr(slo, k) for k in keys))
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
@@ -113,6 +159,12 @@ def run_benchmark(args: argparse.Namespace, meta: dict | None = None,
     --concurrency."""
     points = points or [(rate, c) for c in (args.concurrency or [None]) for rate in args.request_rate]
     requests = workload(args)  # dataset problems raise ValueError before any request is sent
+    if args.sweep and slo_of(args).is_empty:  # a bad --goodput raises here too
+        raise ValueError("--sweep needs latency targets: --goodput ttft:MS tpot:MS (or --slo-ttft / --slo-tpot)")
+    if args.sweep and args.concurrency:
+        raise ValueError("--sweep sends open-loop arrivals; a --concurrency cap would hide the server's queueing")
+    if not 0 < args.sweep_attainment <= 1:
+        raise ValueError(f"--sweep-attainment must be in (0, 1], got {args.sweep_attainment}")
     urls = [normalize_base_url(u) for u in args.base_url]
     labels = _per_url(args.label, len(urls), "--label")
     labels = [lb or u.split("://", 1)[1].removesuffix("/v1") for lb, u in zip(labels, urls)]
@@ -147,8 +199,6 @@ async def _resolve(args, specs) -> tuple[list[Endpoint], dict[str, str]]:
 
 
 async def _run(args, requests: list[BenchRequest], specs, meta: dict, points) -> int:
-    from tqdm import tqdm
-
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
 
@@ -161,7 +211,7 @@ async def _run(args, requests: list[BenchRequest], specs, meta: dict, points) ->
         loop.add_signal_handler(signal.SIGINT, on_sigint)
     except (NotImplementedError, RuntimeError, ValueError):
         pass  # not the main thread, or no signal support: Ctrl-C then aborts without a report
-    slo = SLO(args.slo_ttft, args.slo_tpot, args.slo_e2e)
+    slo = slo_of(args)
     sampling = {"temperature": args.temperature, **({"ignore_eos": True} if args.ignore_eos else {}),
                 **(args.extra_body or {})}
     endpoints, unreachable = await _resolve(args, specs)
@@ -171,12 +221,13 @@ async def _run(args, requests: list[BenchRequest], specs, meta: dict, points) ->
                          "seed": args.seed, "endpoint_type": args.endpoint_type, "sampling": sampling,
                          "warmup": args.warmup, "slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s,
                                                         "e2el_s": slo.e2el_s},
-                         "price_per_hour": args.price_per_hour,
+                         "price_per_hour": args.price_per_hour, "burstiness": args.burstiness,
+                         "num_prefixes": args.num_prefixes, "num_turns": args.num_turns,
                          "load_points": [{"request_rate": "inf" if math.isinf(r) else r, "concurrency": c}
                                          for r, c in points]},
               "workload": {"estimated_prompt_tokens": sum(r.prompt_len for r in requests),
                            "requested_output_tokens": sum(r.output_len for r in requests)},
-              "unreachable": unreachable, "runs": [], "comparisons": [], "interrupted": False}
+              "unreachable": unreachable, "runs": [], "comparisons": [], "sweeps": [], "interrupted": False}
     if not endpoints:
         _say("error: no endpoint could be reached")
         if args.out:
@@ -185,6 +236,12 @@ async def _run(args, requests: list[BenchRequest], specs, meta: dict, points) ->
     for ep in endpoints:
         if args.warmup > 0 and not stop.is_set():
             await _warmup(ep, args.warmup, sampling, args.seed, args.timeout)
+    if args.sweep:
+        await run_sweeps(args, endpoints, sampling, slo, stop, report, lambda i: workload(args, point=i),
+                         lambda: args.out and write_json(args.out, report))
+        if args.out:
+            _say(f"report written to {args.out}")
+        return 130 if report["interrupted"] else (1 if unreachable else 0)
     curves: dict[str, list] = {ep.label: [] for ep in endpoints}
     ok = True
     for i, (rate, conc) in enumerate(points):
@@ -194,14 +251,8 @@ async def _run(args, requests: list[BenchRequest], specs, meta: dict, points) ->
         for ep in endpoints:  # endpoints take turns at each point, so slow drift in machine load hits both
             if stop.is_set():
                 break
-            bar = tqdm(total=len(reqs), desc=f"{ep.label} {load_label(rate, conc)}", unit="req",
-                       file=sys.stderr, disable=args.no_progress, dynamic_ncols=True)
-            try:
-                run = await run_load(ep, reqs, sampling, rate, conc, stop, bar, args.seed, args.timeout)
-            finally:
-                bar.close()
-            m = compute_metrics(run.results, run.duration_s, slo, args.price_per_hour, run.num_cancelled,
-                                run.num_not_sent)
+            run, m = await run_measured(ep, reqs, sampling, rate, conc, stop, args, slo,
+                                        f"{ep.label} {load_label(rate, conc)}")
             print(format_run(run, m, slo), flush=True)
             ok = ok and m.num_completed > 0
             report["runs"].append(run_to_dict(run, m, args.save_detailed))

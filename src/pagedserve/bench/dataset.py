@@ -145,15 +145,25 @@ def load_sharegpt(path: str, output_len: tuple[int, int] | None, seed: int = 0) 
 
 def load_dataset(name: str, num_prompts: int | None, input_len: tuple[int, int], output_len: tuple[int, int],
                  shared_prefix_len: int = 0, seed: int = 0, output_len_given: bool = False,
-                 variant: int = 0) -> list[BenchRequest]:
+                 variant: int = 0, num_prefixes: int = 10, num_turns: int = 1) -> list[BenchRequest]:
     if name == "random":
         return random_requests(num_prompts or 100, input_len, output_len, shared_prefix_len, seed, variant)
+    from pagedserve.bench import workloads
+
+    prefix_len = shared_prefix_len or workloads.DEFAULT_PREFIX_LEN
+    if name == "prefix_repetition":
+        return workloads.prefix_repetition(num_prompts or 100, prefix_len, input_len, output_len, num_prefixes,
+                                           seed, variant)
+    if name == "generated-shared-prefix":
+        return workloads.generated_shared_prefix(num_prompts or 100, prefix_len, input_len, output_len,
+                                                 num_prefixes, num_turns, seed, variant)
     if name.endswith(".jsonl"):
         reqs = load_jsonl(name, output_len, seed)
     elif name.endswith(".json"):
         reqs = load_sharegpt(name, output_len if output_len_given else None, seed)
     else:
-        raise DatasetError(f"unknown dataset {name!r}: use 'random', a .jsonl file of prompts or a ShareGPT .json")
+        raise DatasetError(f"unknown dataset {name!r}: use 'random', 'prefix_repetition', 'generated-shared-prefix', "
+                           "a .jsonl file of prompts or a ShareGPT .json")
     if shared_prefix_len:
         prefix = random_words(random.Random(f"prefix/{seed}"), shared_prefix_len)
         reqs = [BenchRequest(f"{prefix} {r.prompt}", r.prompt_len + shared_prefix_len, r.output_len) for r in reqs]

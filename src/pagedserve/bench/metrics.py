@@ -33,6 +33,9 @@ def percentiles(values: list[float]) -> Percentiles | None:
     return Percentiles(float(np.mean(values)), p50, p90, p99)
 
 
+GOODPUT_KEYS = ("ttft", "tpot", "e2el")
+
+
 @dataclass(frozen=True, slots=True)
 class SLO:
     ttft_s: float | None = None
@@ -52,6 +55,23 @@ class SLO:
         if self.tpot_s is not None and r.tpot is not None and r.tpot > self.tpot_s:
             return False
         return self.e2el_s is None or (r.e2el is not None and r.e2el <= self.e2el_s)
+
+    @classmethod
+    def parse_goodput(cls, items: list[str]) -> "SLO":
+        # vLLM's --goodput: KEY:MILLISECONDS pairs, keys ttft, tpot and e2el.
+        values: dict[str, float] = {}
+        for item in items:
+            key, _, ms = item.partition(":")
+            if key not in GOODPUT_KEYS:
+                raise ValueError(f"--goodput takes {', '.join(k + ':MS' for k in GOODPUT_KEYS)}, got {item!r}")
+            try:
+                value = float(ms)
+            except ValueError:
+                value = -1.0
+            if not value > 0:
+                raise ValueError(f"--goodput {key} needs a positive number of milliseconds, got {item!r}")
+            values[f"{key}_s"] = value / 1e3
+        return cls(**values)
 
     def describe(self) -> str:
         parts = [f"{n}<={v:g}s" for n, v in (("ttft", self.ttft_s), ("tpot", self.tpot_s), ("e2e", self.e2el_s))
@@ -76,6 +96,7 @@ class Metrics:
     itl: Percentiles | None
     e2el: Percentiles | None
     num_good: int
+    slo_attainment: float             # share of the requests sent (failed ones too) that met every SLO
     goodput: float                    # requests / s that met every SLO
     good_output_throughput: float
     price_per_hour: float | None
@@ -110,7 +131,7 @@ def compute_metrics(results: list[RequestResult], duration_s: float, slo: SLO, p
         tpot=percentiles([t for r in ok if (t := r.tpot) is not None]),
         itl=percentiles([g for r in ok for g in r.itls]),
         e2el=percentiles([r.e2el for r in ok if r.e2el is not None]),
-        num_good=len(good), goodput=goodput, good_output_throughput=good_tok_s, price_per_hour=price_per_hour,
+        num_good=len(good), slo_attainment=len(good) / max(len(results), 1), goodput=goodput, good_output_throughput=good_tok_s, price_per_hour=price_per_hour,
         cost_per_query=per_s / goodput if per_s is not None and goodput > 0 else None,
         cost_per_million_output_tokens=per_s / good_tok_s * 1e6 if per_s is not None and good_tok_s > 0 else None,
         output_tokens_source=sources.pop() if len(sources) == 1 else ("mixed" if sources else "none"),

@@ -1,7 +1,9 @@
 """Drive one workload against one endpoint: Poisson arrivals, a concurrency cap, or both, stoppable.
 
     rate = inf, concurrency = C   fixed concurrency: C requests in flight until the workload is drained
-    rate = R,   concurrency None  open loop: exponential inter-arrival gaps (a Poisson process) of mean 1/R
+    rate = R,   concurrency None  open loop: exponential inter-arrival gaps (a Poisson process) of mean 1/R;
+                                  with burstiness b != 1, gamma gaps of shape b and the same mean (vLLM's
+                                  --burstiness: below 1 burstier, above 1 more regular)
     rate = R,   concurrency = C   Poisson arrivals that wait for one of C slots (a client-side queue)
 Latencies are measured from the moment a request is actually sent, so client-side queueing is not counted
 as server latency; it shows as lower throughput instead.
@@ -52,7 +54,7 @@ async def _sleep_unless(stop: asyncio.Event, seconds: float) -> None:
 
 async def run_load(ep: Endpoint, requests: list[BenchRequest], sampling: dict, request_rate: float = math.inf,
                    concurrency: int | None = None, stop: asyncio.Event | None = None, progress=None,
-                   seed: int = 0, timeout_s: float = 600.0) -> RunResult:
+                   seed: int = 0, timeout_s: float = 600.0, burstiness: float = 1.0) -> RunResult:
     stop = stop or asyncio.Event()
     rng = random.Random(seed)
     sem = asyncio.Semaphore(concurrency) if concurrency else None
@@ -90,7 +92,9 @@ async def run_load(ep: Endpoint, requests: list[BenchRequest], sampling: dict, r
                 break
             tasks.append(asyncio.create_task(one(client, req)))
             if math.isfinite(request_rate) and i < len(requests) - 1:
-                await _sleep_unless(stop, rng.expovariate(request_rate))
+                gap = (rng.expovariate(request_rate) if burstiness == 1.0 else
+                       rng.gammavariate(burstiness, 1.0 / (request_rate * burstiness)))
+                await _sleep_unless(stop, gap)
         stopper = asyncio.ensure_future(stop.wait())
         waiter = asyncio.ensure_future(asyncio.wait(tasks)) if tasks else None
         await asyncio.wait([f for f in (stopper, waiter) if f], return_when=asyncio.FIRST_COMPLETED)
@@ -102,3 +106,23 @@ async def run_load(ep: Endpoint, requests: list[BenchRequest], sampling: dict, r
     return RunResult(endpoint=ep, request_rate=request_rate, concurrency=concurrency, results=results,
                      num_cancelled=num_sent - len(results), num_not_sent=len(requests) - num_sent,
                      duration_s=end - t0, interrupted=bool(in_flight) or len(tasks) < len(requests))
+
+
+async def run_measured(ep: Endpoint, requests: list[BenchRequest], sampling: dict, rate: float,
+                       concurrency: int | None, stop: asyncio.Event, args, slo, desc: str):
+    """run_load with a progress bar (unless --no-progress) and the run's metrics: (RunResult, Metrics)."""
+    import sys
+
+    from tqdm import tqdm
+
+    from pagedserve.bench.metrics import compute_metrics
+
+    bar = tqdm(total=len(requests), desc=desc, unit="req", file=sys.stderr, disable=args.no_progress,
+               dynamic_ncols=True)
+    try:
+        run = await run_load(ep, requests, sampling, rate, concurrency, stop, bar, args.seed, args.timeout,
+                             args.burstiness)
+    finally:
+        bar.close()
+    return run, compute_metrics(run.results, run.duration_s, slo, args.price_per_hour, run.num_cancelled,
+                                run.num_not_sent)
