@@ -310,8 +310,13 @@ class KVEventsConfig:
     topic: str = ""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.enable_kv_cache_events, bool):
+            raise ValueError(f"kv_events_config enable_kv_cache_events must be true or false, got "
+                             f"{self.enable_kv_cache_events!r}")
         if self.publisher not in ("zmq", "null"):
             raise ValueError(f"kv_events_config publisher must be 'zmq' or 'null', got {self.publisher!r}")
+        if not isinstance(self.topic, str):
+            raise ValueError(f"kv_events_config topic must be a string, got {self.topic!r}")
         for name in ("buffer_steps", "hwm", "max_queue_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

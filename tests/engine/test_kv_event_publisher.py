@@ -201,7 +201,8 @@ def test_config_parsing_and_errors():
     assert not KVEventsConfig.parse({}).active
     for bad, match in [('{"enable_kv_cache_events": true, "bogus": 1}', "unknown kv_events_config keys"),
                        ('{"publisher": "kafka"}', "publisher"), ('{"endpoint": "5557"}', "ZMQ address"),
-                       ('{"buffer_steps": 0}', "buffer_steps"), ("[1]", "JSON object"), ("{", "valid JSON")]:
+                       ('{"buffer_steps": 0}', "buffer_steps"), ("[1]", "JSON object"), ("{", "valid JSON"),
+                       ('{"enable_kv_cache_events": "yes"}', "true or false"), ('{"topic": 5}', "topic")]:
         with pytest.raises(ValueError, match=match):
             KVEventsConfig.parse(bad)
     with pytest.raises(ValueError, match="cannot open"):
