@@ -58,7 +58,7 @@ def run_stages(model: str | None, dtype_name: str) -> list[dict]:
     from pagedserve.model.dtypes import resolve_dtype
     from pagedserve.model.loader import load_model
     from pagedserve.quality import greedy_continuation
-    from pagedserve.worker.kv_cache import allocate_kv_caches
+    from pagedserve.worker.kv_cache import kv_cache_spec
     from pagedserve.worker.memory import plan_num_blocks
 
     dtype, _ = resolve_dtype(dtype_name, torch.device("cpu"))
@@ -67,10 +67,9 @@ def run_stages(model: str | None, dtype_name: str) -> list[dict]:
                    **read_status()})
     m, hf = loaded.model, loaded.hf_config
     cache = CacheConfig(block_size=16, kv_cache_memory_bytes=KV_BYTES)
-    num_blocks = plan_num_blocks(cache, hf.num_hidden_layers, m.num_kv_heads, m.head_dim, dtype,
-                                 torch.device("cpu"))
-    caches = allocate_kv_caches(hf.num_hidden_layers, num_blocks, 16, m.num_kv_heads, m.head_dim,
-                                dtype, torch.device("cpu"))
+    spec = kv_cache_spec(hf, cache.block_size, str(dtype).removeprefix("torch."))
+    num_blocks = plan_num_blocks(cache, spec.bytes_per_block, KV_BYTES)
+    caches = spec.allocate(num_blocks, torch.device("cpu"))
     stages.append({"stage": f"KV pool ({num_blocks} blocks)", **read_status()})
     ids = list(range(1000, 1256))
     greedy_continuation(m, ids, caches, 16, max_tokens=16, chunk=64)  # prefill (> 8 rows), then decode (1 row)

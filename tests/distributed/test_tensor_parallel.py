@@ -10,7 +10,7 @@ import pytest
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.engine.arg_utils import EngineArgs
-from pagedserve.engine.output_stream import EngineDeadError
+from pagedserve.messages import EngineDeadError
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "1, 2, 3, 4,"]
 KV_BYTES = 16 << 20

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 from pagedserve.config import ModelConfig, SchedulerConfig, StructuredOutputsConfig
 from pagedserve.core.scheduler_output import SchedulerStats
-from pagedserve.engine.core import EngineCoreOutput, EngineCoreRequest
+from pagedserve.messages import EngineCoreOutput, EngineCoreRequest
 from pagedserve.metrics.stats import EngineStats
 
 PROMPT = "t1 t2"

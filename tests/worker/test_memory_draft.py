@@ -6,20 +6,29 @@ import torch
 
 from pagedserve import LLM
 from pagedserve.config import CacheConfig
-from pagedserve.worker.memory import DraftKV, plan_num_blocks
+from pagedserve.worker.kv_cache import KVCacheSpec
+from pagedserve.worker.memory import DraftKV, kv_budget_bytes, plan_num_blocks, plan_num_host_blocks
 from tests.spec_decode.test_draft_model import draft_config, tiny  # noqa: F401  (fixture)
 
 
 def test_plan_counts_draft_blocks_and_scratch():
     cache = CacheConfig(block_size=4, kv_cache_memory_bytes=100_000)
     # Target block: 2 x 2 layers x 4 tokens x 1 head x 8 dims x 4 bytes = 512 bytes -> 195 blocks alone.
-    assert plan_num_blocks(cache, 2, 1, 8, torch.float32, torch.device("cpu")) == 195
+    spec = KVCacheSpec(num_layers=2, num_kv_heads=1, head_dim=8, block_size=4, kv_dtype="float32")
+    assert spec.bytes_per_block == 512 and spec.bytes_per_token == 128
+    budget = kv_budget_bytes(cache, torch.device("cpu"))
+    assert plan_num_blocks(cache, spec.bytes_per_block, budget) == 195
     # With a 256-byte draft block and 10 scratch blocks: (100000 - 2560) // (512 + 256) = 126.
     draft = DraftKV(bytes_per_block=256, num_scratch_blocks=10)
-    assert plan_num_blocks(cache, 2, 1, 8, torch.float32, torch.device("cpu"), draft) == 126
+    assert plan_num_blocks(cache, spec.bytes_per_block, budget, draft) == 126
     with pytest.raises(ValueError, match="draft"):
-        plan_num_blocks(CacheConfig(block_size=4, kv_cache_memory_bytes=3000), 2, 1, 8, torch.float32,
-                        torch.device("cpu"), draft)
+        plan_num_blocks(cache, spec.bytes_per_block, 3000, draft)
+    # Swap space: 1 MiB of host blocks, the draft's copy of each included; none with swap preemption is refused.
+    swap = CacheConfig(block_size=4, swap_space_gib=1 / 1024)
+    assert plan_num_host_blocks(swap, spec.bytes_per_block) == (1 << 20) // 512
+    assert plan_num_host_blocks(swap, spec.bytes_per_block, draft) == (1 << 20) // 768
+    with pytest.raises(ValueError, match="swap_space"):
+        plan_num_host_blocks(CacheConfig(swap_space_gib=0, preemption_mode="swap"), spec.bytes_per_block)
 
 
 def test_engine_budget_includes_the_draft_kv(tiny):  # noqa: F811

@@ -1,10 +1,10 @@
-"""Rank 0's side of tensor parallelism: starts ranks 1..N-1, mirrors every runner call to them, and turns
-any rank's death into EngineDeadError instead of a hang.
+"""Rank 0's side of tensor parallelism: an Executor (worker/executor.py) that starts ranks 1..N-1, mirrors every
+call to their workers, and turns any rank's death into EngineDeadError instead of a hang.
 
-The engine core keeps one scheduler and one set of block tables; it calls update_states / execute_model on
-a DistributedRunner exactly as on a ModelRunner. Each call goes to every worker first (a pipe per worker:
-the step's inputs are the pickled scheduler plan, a few KB), then runs on rank 0's own runner, whose
-collectives (gloo / NCCL) meet the workers' inside the model; then every worker answers ok or its error.
+The engine core keeps one scheduler and one set of block tables and calls this executor exactly as the
+single-process one. Each call goes to every rank's process first (a pipe per rank: the step's inputs are the
+pickled scheduler plan, a few KB), then runs on rank 0's own Worker, whose collectives (gloo / NCCL) meet the
+other ranks' inside the model; then every rank answers ok or its error.
 
     call ok on rank 0, every worker ok       -> rank 0's result (it sampled)
     same error on every rank                 -> that error (a request's own failure: the core isolates it)
@@ -24,9 +24,15 @@ from multiprocessing.connection import Connection
 import torch
 
 from pagedserve.config import EngineConfig
-from pagedserve.distributed.parallel_state import TensorParallelGroup, destroy_tensor_parallel, init_tensor_parallel
-from pagedserve.distributed.worker import describe, run_worker
-from pagedserve.engine.output_stream import EngineDeadError
+from pagedserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from pagedserve.distributed.parallel_state import (TensorParallelGroup, check_divisible, destroy_tensor_parallel,
+                                                   init_tensor_parallel)
+from pagedserve.distributed.rank_process import describe, run_worker
+from pagedserve.messages import EngineDeadError
+from pagedserve.model.loader import read_config, resolve_model_dir
+from pagedserve.structured_output.manager import StructuredOutputManager
+from pagedserve.worker.executor import Executor
+from pagedserve.worker.worker import KVCacheConfig
 
 logger = logging.getLogger(__name__)
 
@@ -64,15 +70,18 @@ def _stop_workers(procs: list, conns: list[Connection]) -> None:
     destroy_tensor_parallel()
 
 
-class MultiprocExecutor:
+class MultiprocExecutor(Executor):
     def __init__(self, config: EngineConfig, device: torch.device) -> None:
         par = config.parallel
         if torch.distributed.is_initialized():
             raise ValueError("a tensor-parallel engine is already running in this process; shut it down first "
                              "(one process group per process)")
+        # The heads must divide before any process starts.
+        check_divisible(read_config(resolve_model_dir(config.model.model)[0]), par.tensor_parallel_size)
         self.world_size = par.tensor_parallel_size
         self.timeout_s = par.distributed_timeout_s
         self.dead: str | None = None
+        self._plan: SchedulerOutput | None = None  # applied on rank 0, not yet sent
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         ctx = mp.get_context("spawn")  # a fresh interpreter: no forked torch thread pools or CUDA state
         self.procs: list = []
@@ -90,9 +99,13 @@ class MultiprocExecutor:
         try:
             self.tp: TensorParallelGroup = init_tensor_parallel(0, self.world_size, init_method, device,
                                                                 self.timeout_s)
-        except Exception:
+            super().__init__(config, device)  # rank 0's worker loads its slice, then waits for the others'
+        except BaseException:
             self.shutdown()
             raise
+
+    def _tp_group(self) -> TensorParallelGroup:
+        return self.tp
 
     @property
     def worker_pids(self) -> list[int]:
@@ -101,18 +114,37 @@ class MultiprocExecutor:
     def shutdown(self) -> None:
         self._finalizer()
 
-    def wait_loaded(self) -> None:
+    def _loaded_everywhere(self) -> None:
         # Each worker answers once its slice of the model is loaded (or with the error that stopped it).
         errors = self._answers(LOAD_TIMEOUT_S)
         if any(errors):
             self.shutdown()
             raise ValueError(f"a tensor-parallel rank failed to load the model: {next(e for e in errors if e)}")
 
-    def init_cache(self, resolved: EngineConfig, num_blocks: int, num_host_blocks: int) -> None:
-        self._send("init_cache", (resolved, num_blocks, num_host_blocks))
+    def initialize(self, kv_config: KVCacheConfig, structured_output: StructuredOutputManager | None = None) -> None:
+        super().initialize(kv_config, structured_output)  # grammars are rank 0's: only it samples
+        self._send("initialize", (kv_config,))
         errors = self._answers(LOAD_TIMEOUT_S)
         if any(errors):
             raise self._die(f"a rank failed to allocate its KV cache: {next(e for e in errors if e)}")
+
+    def apply_plan(self, plan: SchedulerOutput) -> None:
+        # Applied on rank 0 now; the plan travels to the other ranks with the next execute_model, so a step
+        # costs one message and one answer per rank.
+        try:
+            super().apply_plan(plan)
+        except Exception as exc:
+            # Rank 0's batch has part of the plan and the others none of it: the ranks cannot agree again.
+            raise self._die(f"rank 0 failed to apply a plan: {describe(exc)}") from exc
+        self._plan = plan
+
+    def execute_model(self, num_scheduled_tokens: dict[str, int], propose_drafts: bool = True) -> ModelRunnerOutput:
+        # A call without a new plan (the core isolating a failing request) sends only the ids.
+        plan, self._plan = self._plan, None
+        run_local = lambda: super(MultiprocExecutor, self).execute_model(num_scheduled_tokens, propose_drafts)  # noqa: E731
+        if plan is None:
+            return self.call("execute_model", (num_scheduled_tokens, propose_drafts), run_local)
+        return self.call("step", (plan, num_scheduled_tokens, propose_drafts), run_local)
 
     def call(self, method: str, args: tuple, local):
         """Run `method(*args)` on every worker and local() on rank 0, and check that the ranks agree."""
@@ -167,35 +199,3 @@ class MultiprocExecutor:
                     proc.kill()
             self.shutdown()
         return EngineDeadError(self.dead)
-
-
-class DistributedRunner:
-    """Rank 0's ModelRunner with every state change and forward pass mirrored on the workers.
-
-    The engine core calls update_states(plan) then execute_model(ids) once per plan; the plan travels to the
-    workers with the execute_model call, so a step costs one message and one answer per worker. Calls of
-    execute_model without a new plan (the core isolating a failing request) send only the ids."""
-
-    def __init__(self, local, executor: MultiprocExecutor) -> None:
-        self.local = local
-        self.executor = executor
-        self._plan = None  # applied on rank 0, not yet sent
-
-    def update_states(self, plan) -> None:
-        try:
-            self.local.update_states(plan)
-        except Exception as exc:
-            # Rank 0's batch has part of the plan and the workers none of it: the ranks cannot agree again.
-            raise self.executor._die(f"rank 0 failed to apply a plan: {describe(exc)}") from exc
-        self._plan = plan
-
-    def execute_model(self, num_scheduled_tokens: dict[str, int]):
-        plan, self._plan = self._plan, None
-        run_local = lambda: self.local.execute_model(num_scheduled_tokens)  # noqa: E731
-        if plan is None:
-            return self.executor.call("execute_model", (num_scheduled_tokens,), run_local)
-        return self.executor.call("step", (plan, num_scheduled_tokens), run_local)
-
-    def __getattr__(self, name: str):
-        # Everything else (input_batch, kv_caches, host_caches, ...) is rank 0's, for tests and benchmarks.
-        return getattr(self.local, name)

@@ -29,8 +29,8 @@ from pagedserve.core.scheduler_output import SchedulerStats
 from pagedserve.engine.output_processor import OutputProcessor, ProcessedOutputs
 from pagedserve.malloc import release_free_memory
 from pagedserve.metrics.stats import SpecDecodingStats
-from pagedserve.engine.output_stream import (EngineClosedError, EngineDeadError, EngineError, OutputStream,
-                                            RequestConstraintError)
+from pagedserve.engine.output_stream import OutputStream
+from pagedserve.messages import EngineClosedError, EngineDeadError, EngineError, RequestConstraintError
 from pagedserve.engine.processor import Processor, PromptInput
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams
 

@@ -13,7 +13,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedserve.engine.core import EngineCoreOutput
+from pagedserve.messages import EngineCoreOutput
 from pagedserve.engine.detokenizer import IncrementalDetokenizer
 from pagedserve.engine.logprobs import TokenTexts, extend_prompt_logprobs, logprob_entry
 from pagedserve.engine.processor import ProcessedRequest

@@ -13,26 +13,6 @@ from typing import Any, AsyncIterator
 from pagedserve.outputs import RequestOutput
 
 
-class EngineError(RuntimeError):
-    """A request failed inside the engine; the engine itself keeps serving."""
-
-
-class RequestConstraintError(ValueError):
-    """A request's own parameters left nothing to sample (e.g. a grammar that must end, and min_tokens that
-    forbids ending): its fault, not the engine's, so the server answers 400."""
-
-    # How the engine core begins such a failure's message; the front end raises this class for it.
-    PREFIX = "no token satisfies both the structured output constraint and the other sampling parameters"
-
-
-class EngineClosedError(RuntimeError):
-    """The engine was shut down."""
-
-
-class EngineDeadError(EngineClosedError):
-    """The engine cannot run another step (a tensor-parallel rank died or stopped answering); it is closed."""
-
-
 @dataclass(slots=True, eq=False)
 class OutputStream:
     """Outputs of one or more requests added together (a completion with several prompts).

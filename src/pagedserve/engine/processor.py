@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedserve.config import ModelConfig, SchedulerConfig, StructuredOutputsConfig
-from pagedserve.engine.core import EngineCoreRequest
+from pagedserve.messages import EngineCoreRequest
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.structured_output.backend import GrammarCompileService, check_first_token
 

@@ -29,7 +29,7 @@ class OpenAIError(Exception):
     def in_band(cls, exc: Exception) -> OpenAIError:
         # An error after a stream started: 503 when the engine stopped, 400 when the request's own parameters
         # failed it (RequestConstraintError is a ValueError), else 500.
-        from pagedserve.engine.output_stream import EngineClosedError
+        from pagedserve.messages import EngineClosedError
 
         status = 503 if isinstance(exc, EngineClosedError) else 400 if isinstance(exc, ValueError) else 500
         return cls(str(exc), status)

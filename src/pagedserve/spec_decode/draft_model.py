@@ -39,7 +39,7 @@ from pagedserve.model.loader import LoadedModel, load_model
 from pagedserve.model.weight_quant import apply_quantization, resolve_quantization
 from pagedserve.sample.sampler import SamplingBatch, draw, random_probs
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.worker.kv_cache import allocate_kv_caches
+from pagedserve.worker.kv_cache import KVCacheSpec
 
 
 def draft_dtype(spec: SpeculativeConfig, target_dtype: torch.dtype) -> torch.dtype:
@@ -92,25 +92,22 @@ class _Proposal:
 
 
 class DraftModel:
-    def __init__(self, loaded: LoadedModel, k: int, num_blocks: int, block_size: int, max_num_reqs: int,
-                 max_model_len: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, loaded: LoadedModel, k: int, num_blocks: int, kv_spec: KVCacheSpec, max_num_reqs: int,
+                 max_model_len: int, device: torch.device, prefault: bool = True) -> None:
         hf = loaded.hf_config
         self.model = loaded.model
-        self.dtype = dtype
+        self.dtype = kv_spec.dtype  # the draft's KV is stored in its model dtype
         self.quantization = loaded.quantization
         self.vocab_size = hf.vocab_size
         self.k = k
         self.num_blocks = num_blocks
-        self.block_size = block_size
+        self.block_size = block_size = kv_spec.block_size
         self.max_model_len = max_model_len
         self.device = device
         # Proposing reaches k positions past the step's last allocated slot: ceil(k / bs) + 1 scratch blocks
         # per row cover it wherever the row's last block ends.
         self.num_scratch = num_scratch_blocks(k, block_size)
-        num_kv_heads = hf.num_key_value_heads
-        head_dim = self.head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-        self.kv_caches = allocate_kv_caches(hf.num_hidden_layers, num_blocks + max_num_reqs * self.num_scratch,
-                                            block_size, num_kv_heads, head_dim, dtype, device)
+        self.kv_caches = kv_spec.allocate(num_blocks + max_num_reqs * self.num_scratch, device, prefault)
         self.host_caches: list[torch.Tensor] = []
         self._proposals: dict[str, _Proposal] = {}
         self._valid: dict[str, int] = {}  # per request: the draft's K/V is valid below this position

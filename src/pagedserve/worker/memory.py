@@ -1,4 +1,4 @@
-"""Sizes the KV pool from a memory budget."""
+"""Sizes the KV pools: device blocks from a memory budget, host (swap) blocks from --swap-space."""
 from __future__ import annotations
 
 import os
@@ -7,7 +7,6 @@ from dataclasses import dataclass
 import torch
 
 from pagedserve.config import CacheConfig
-from pagedserve.worker.kv_cache import kv_bytes_per_block
 
 # On CPU, as vLLM's VLLM_CPU_KVCACHE_SPACE default, do not claim more than 4 GiB unless asked.
 CPU_DEFAULT_CAP_BYTES = 4 << 30
@@ -37,26 +36,35 @@ class DraftKV:
     num_scratch_blocks: int
 
 
-def plan_num_blocks(cache: CacheConfig, num_layers: int, num_kv_heads: int, head_dim: int,
-                    dtype: torch.dtype, device: torch.device, draft: DraftKV | None = None) -> int:
+def kv_budget_bytes(cache: CacheConfig, device: torch.device) -> int:
+    # What the KV pools may take: --kv-cache-memory-bytes, else a fraction of what the device has free.
+    if cache.kv_cache_memory_bytes is not None:
+        return cache.kv_cache_memory_bytes
+    budget = int(available_memory_bytes(device) * cache.kv_cache_fraction)
+    return min(budget, CPU_DEFAULT_CAP_BYTES) if device.type == "cpu" else budget
+
+
+def plan_num_blocks(cache: CacheConfig, bytes_per_block: int, budget_bytes: int, draft: DraftKV | None = None) -> int:
     # The budget holds the target's blocks and, with a draft model, its mirrored blocks and scratch too:
     #   num_blocks = (budget - scratch bytes) // (target block bytes + draft block bytes)
     if cache.num_gpu_blocks_override is not None:
         return cache.num_gpu_blocks_override
-    per_block = kv_bytes_per_block(num_layers, cache.block_size, num_kv_heads, head_dim, dtype)
-    fixed = 0
+    per_block, fixed = bytes_per_block, 0
     if draft is not None:
         per_block += draft.bytes_per_block
         fixed = draft.bytes_per_block * draft.num_scratch_blocks
-    if cache.kv_cache_memory_bytes is not None:
-        budget = cache.kv_cache_memory_bytes
-    else:
-        budget = int(available_memory_bytes(device) * cache.kv_cache_fraction)
-        if device.type == "cpu":
-            budget = min(budget, CPU_DEFAULT_CAP_BYTES)
-    num_blocks = (budget - fixed) // per_block
+    num_blocks = (budget_bytes - fixed) // per_block
     if num_blocks < 1:
         what = f"{per_block} bytes" + (f" (draft model's included) after {fixed} bytes of draft scratch blocks"
                                         if draft else "")
-        raise ValueError(f"the KV cache budget ({budget} bytes) holds no block of {what}")
+        raise ValueError(f"the KV cache budget ({budget_bytes} bytes) holds no block of {what}")
     return num_blocks
+
+
+def plan_num_host_blocks(cache: CacheConfig, bytes_per_block: int, draft: DraftKV | None = None) -> int:
+    # The swap space holds the draft's copy of each swapped block as well.
+    num_host_blocks = int(cache.swap_space_gib * (1 << 30)) // (
+        bytes_per_block + (draft.bytes_per_block if draft else 0))
+    if cache.preemption_mode == "swap" and num_host_blocks == 0:
+        raise ValueError("preemption_mode='swap' needs swap_space > 0 (GiB of host memory)")
+    return num_host_blocks

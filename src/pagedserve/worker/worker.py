@@ -1,0 +1,132 @@
+"""One device or tensor-parallel rank: its models, its KV caches and the steps it runs (vLLM's Worker).
+
+Rank 0 (in the engine process) and ranks 1..N-1 (distributed/rank_process.py) are this same class; only
+rank 0 samples and proposes drafts. The executor drives it in this order:
+
+    load_model()                 the target's weights (this rank's slice) and, for draft_model, the draft's
+    kv_cache_spec() / draft_kv() the KV geometry here (rank 0's answers size the pool for every rank)
+    kv_budget_bytes()            what this device offers the KV pools
+    initialize(kv_config)        device, host (swap) and draft caches; the model runner and the proposer
+    apply_plan(plan)             the plan's diff into the input batch, block copies and swaps (target and draft)
+    execute_model(scheduled)     forward pass, sampling, and every request's drafts for the next step
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pagedserve.config import EngineConfig
+from pagedserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from pagedserve.distributed.parallel_state import TensorParallelGroup
+from pagedserve.model.loader import LoadedModel, load_model
+from pagedserve.spec_decode.draft_model import (DraftModel, check_same_vocab, draft_dtype, load_draft,
+                                                 num_scratch_blocks)
+from pagedserve.spec_decode.proposer import make_proposer
+from pagedserve.structured_output.manager import StructuredOutputManager
+from pagedserve.worker.kv_cache import KVCacheSpec, kv_cache_spec
+from pagedserve.worker.memory import DraftKV, kv_budget_bytes
+from pagedserve.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheConfig:
+    # What the engine core decided from rank 0's spec and budget; every rank allocates the same block counts.
+    num_blocks: int
+    num_host_blocks: int
+    max_model_len: int
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, device: torch.device, tp: TensorParallelGroup | None = None) -> None:
+        self.config = config  # model dtype and KV dtype already resolved by the engine core
+        self.device = device
+        self.tp = tp
+        self.is_driver = tp is None or tp.is_driver
+        self.dtype = getattr(torch, config.model.dtype)
+        self.loaded: LoadedModel | None = None
+        self.draft: LoadedModel | None = None
+        self.model_runner: ModelRunner | None = None
+        self.proposer = None  # n-gram drafts (spec_decode/ngram_proposer.py); the draft model runs in the runner
+
+    def load_model(self) -> LoadedModel:
+        m = self.config.model
+        # Ranks 1..N-1 load with "none": rank 0 resolved --quantization, and a quantized model refuses TP.
+        self.loaded = load_model(m.model, self.device, self.dtype, m.attention_backend, m.tokenizer,
+                                 m.quantization if self.is_driver else "none", tp=self.tp, load_format=m.load_format)
+        spec = self.config.speculative
+        if spec is not None and spec.method == "draft_model":
+            dtype = draft_dtype(spec, self.dtype)
+            self.draft = load_draft(spec, self.device, dtype, m.attention_backend, m.tokenizer)
+            check_same_vocab(self.loaded, self.draft)
+            logger.info("draft model %s (%s, quantization %s), %d speculative tokens", self.draft.model_name,
+                        dtype, self.draft.quantization, spec.num_speculative_tokens)
+        return self.loaded
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        tp_size = self.tp.world_size if self.tp else 1
+        return kv_cache_spec(self.loaded.hf_config, self.config.cache.block_size, self.config.cache.cache_dtype,
+                             tp_size)
+
+    def draft_kv_spec(self) -> KVCacheSpec | None:
+        if self.draft is None:
+            return None
+        dtype_name = str(draft_dtype(self.config.speculative, self.dtype)).removeprefix("torch.")
+        return kv_cache_spec(self.draft.hf_config, self.config.cache.block_size, dtype_name)
+
+    def draft_kv(self) -> DraftKV | None:
+        # The draft's bytes per mirrored block and its scratch blocks: the memory plan counts both.
+        spec = self.draft_kv_spec()
+        if spec is None:
+            return None
+        scratch = num_scratch_blocks(self.config.speculative.num_speculative_tokens, spec.block_size)
+        return DraftKV(spec.bytes_per_block, self.config.scheduler.max_num_seqs * scratch)
+
+    def kv_budget_bytes(self) -> int:
+        return kv_budget_bytes(self.config.cache, self.device)
+
+    def initialize(self, kv: KVCacheConfig, structured_output: StructuredOutputManager | None = None) -> None:
+        cfg, dev = self.config, self.device
+        spec = self.kv_cache_spec()
+        runner = ModelRunner(self.loaded.model, spec.allocate(kv.num_blocks, dev, cfg.cache.prefault_kv_cache), spec.block_size,
+                             self.loaded.hf_config.vocab_size, dev, cfg.scheduler.max_num_seqs, kv.max_model_len,
+                             cfg.model.seed, driver=self.is_driver)
+        runner.host_caches = spec.allocate_host(kv.num_host_blocks, dev)
+        # Grammar matchers live beside the scheduler (rank 0); the runner masks logits with them before sampling.
+        runner.structured_output = structured_output
+        if self.draft is not None:
+            draft_spec = self.draft_kv_spec()
+            runner.drafter = DraftModel(self.draft, cfg.speculative.num_speculative_tokens, kv.num_blocks,
+                                        draft_spec, cfg.scheduler.max_num_seqs, kv.max_model_len, dev,
+                                        cfg.cache.prefault_kv_cache)
+            runner.drafter.host_caches = draft_spec.allocate_host(kv.num_host_blocks, dev)
+        self.proposer = make_proposer(cfg.speculative) if self.is_driver else None
+        self.model_runner = runner
+
+    def apply_plan(self, plan: SchedulerOutput) -> None:
+        self.model_runner.update_states(plan)
+
+    def execute_model(self, num_scheduled_tokens: dict[str, int], propose_drafts: bool = True) -> ModelRunnerOutput:
+        # propose_drafts is off in steps whose batch is above disable_by_batch_size: drafts would cost more
+        # than they save (the draft model still catches up on every step).
+        runner = self.model_runner
+        runner.propose_drafts = propose_drafts
+        out = runner.execute_model(num_scheduled_tokens)
+        if self.proposer is not None and propose_drafts and out.req_ids:
+            out.draft_token_ids = self._propose_ngram(out)
+        return out
+
+    def _propose_ngram(self, out: ModelRunnerOutput) -> dict[str, list[int]]:
+        # Each sampled row's tokens after this step: the batch's known tokens, the drafts it accepted (they sit
+        # right after them in token_ids) and the token it sampled.
+        batch = self.model_runner.input_batch
+        drafts = {}
+        for j, req_id in enumerate(out.req_ids):
+            row = batch.row_of(req_id)
+            n = int(batch.num_tokens[row]) + (len(out.spec.accepted_token_ids[j]) if out.spec is not None else 0)
+            drafts[req_id] = self.proposer.propose(np.append(batch.token_ids[row, :n], out.sampled_token_ids[j]))
+        return drafts
