@@ -249,6 +249,13 @@ class KVCacheManager:
         stores, self._disk_stores = self._disk_stores, []
         return stores
 
+    def write_disk_stores(self, read_blocks) -> None:
+        # After a step. read_blocks(block ids) -> each block's K/V bytes (the executor's copy).
+        stores = self.take_disk_stores()
+        if stores:
+            for record, payload in zip(stores, read_blocks([r.block_id for r in stores])):
+                self.disk.store(record, payload)
+
     def _report_stored(self, req: Request, hashes: list[BlockHash], start: int, added: list[bool]) -> None:
         # One BlockStored per run of blocks this call added; a block whose hash another block already holds
         # (two requests computed the same prefix at once) was not added, and its run ends there.

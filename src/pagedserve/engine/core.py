@@ -39,7 +39,7 @@ from pagedserve.metrics.stats import EngineStats, RequestStats
 from pagedserve.model.dtypes import resolve_dtype
 from pagedserve.structured_output.manager import StructuredOutputManager
 from pagedserve.worker.executor import Executor
-from pagedserve.worker.kv_offload import open_disk_tier, store_cached_blocks
+from pagedserve.worker.kv_offload import open_disk_tier
 from pagedserve.worker.memory import plan_num_blocks, plan_num_host_blocks
 from pagedserve.worker.worker import KVCacheConfig
 
@@ -182,7 +182,7 @@ class EngineCore:
         num_before = {rid: requests[rid].num_output_tokens for rid in result.req_ids if rid in requests}
         updated = self.scheduler.update(plan, result)
         if self.kv.disk is not None:
-            store_cached_blocks(self.kv, self.runner.kv_caches)
+            self.kv.write_disk_stores(self.executor.read_blocks)
         if self.structured_output.matchers:
             updated = self._accept_structured(updated, outputs)
         now = time.monotonic()

@@ -57,11 +57,3 @@ def write_blocks(kv_caches: list[torch.Tensor], loads: list[tuple[int, bytearray
     ids = torch.tensor([block_id for block_id, _ in loads], device=first.device)
     for cache, layer in zip(kv_caches, blocks):
         cache[:, ids] = layer
-
-
-def store_cached_blocks(kv, kv_caches: list[torch.Tensor]) -> None:
-    # After a step: the blocks that became cached go to the disk writer (kv: the KVCacheManager).
-    stores = kv.take_disk_stores()
-    if stores:
-        for record, payload in zip(stores, read_blocks(kv_caches, [r.block_id for r in stores])):
-            kv.disk.store(record, payload)

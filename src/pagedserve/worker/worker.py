@@ -9,6 +9,7 @@ rank 0 samples and proposes drafts. The executor drives it in this order:
     initialize(kv_config)        device, host (swap) and draft caches; the model runner and the proposer
     apply_plan(plan)             the plan's diff into the input batch, block copies and swaps (target and draft)
     execute_model(scheduled)     forward pass, sampling, and every request's drafts for the next step
+    read_blocks(block_ids)       the K/V bytes of blocks just cached, for the disk tier (--kv-offload-dir)
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from pagedserve.spec_decode.draft_model import (DraftModel, check_same_vocab, dr
 from pagedserve.spec_decode.proposer import make_proposer
 from pagedserve.structured_output.manager import StructuredOutputManager
 from pagedserve.worker.kv_cache import KVCacheSpec, kv_cache_spec
+from pagedserve.worker.kv_offload import read_blocks
 from pagedserve.worker.memory import DraftKV, kv_budget_bytes
 from pagedserve.worker.model_runner import ModelRunner
 
@@ -109,6 +111,10 @@ class Worker:
 
     def apply_plan(self, plan: SchedulerOutput) -> None:
         self.model_runner.update_states(plan)
+
+    def read_blocks(self, block_ids: list[int]) -> list[memoryview]:
+        # Blocks' K/V as bytes, for the disk tier (worker/kv_offload.py).
+        return read_blocks(self.model_runner.kv_caches, block_ids)
 
     def execute_model(self, num_scheduled_tokens: dict[str, int], propose_drafts: bool = True) -> ModelRunnerOutput:
         # propose_drafts is off in steps whose batch is above disable_by_batch_size: drafts would cost more
