@@ -75,16 +75,26 @@ def test_salted_and_unsalted_prefixes_do_not_meet_on_disk(tmp_path):
     assert b.get_computed_blocks(salted)[1] == 8
 
 
-def test_a_short_pool_reads_no_more_blocks_than_it_can_take(tmp_path):
+def test_a_short_pool_reads_no_more_blocks_than_it_can_take_and_keeps_them(tmp_path):
     a = KVCacheManager(num_blocks=10, block_size=4, disk=DiskKVStore(str(tmp_path), None, NBYTES, ROOT))
     run_prompt(a, make_request("a", prompt_len=17))
-    write_stores(a)
-    b = KVCacheManager(num_blocks=4, block_size=4, disk=DiskKVStore(str(tmp_path), None, NBYTES, ROOT))
-    b.pool.allocate(2)
+    write_stores(a)                                  # 4 full blocks on disk
+    b = KVCacheManager(num_blocks=5, block_size=4, disk=DiskKVStore(str(tmp_path), None, NBYTES, ROOT))
+    taken = b.pool.allocate(3)
+    reads = []
+    load = b.disk.load
+    b.disk.load = lambda h: reads.append(h) or load(h)
     req = make_request("b", prompt_len=17)
     assert b.get_computed_blocks(req) == ([], 8)    # 2 free blocks: 2 of the 4 on disk are read
     assert b.allocate_slots(req, 9, []) is None     # and the 3 more it needs are not there
     assert b.take_block_ops().load == [] and b.disk.stats.num_loaded_blocks == 0
+    # The next try, with the pool free: the two blocks read before are not read again.
+    b.pool.free(taken)
+    assert b.get_computed_blocks(req) == ([], 16)
+    assert reads == b.req_hashes["b"][:4]
+    assert b.allocate_slots(req, 1, []) == [3, 4, 0, 1, 2]
+    assert [(i, bytes(p)) for i, p in b.take_block_ops().load] == [(3, payload(0)), (4, payload(1)),
+                                                                   (0, payload(2)), (1, payload(3))]
 
 
 def test_corrupt_torn_and_foreign_files_are_misses(tmp_path):

@@ -116,13 +116,15 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
+        # Blocks read from disk for this request on an earlier try that found the pool short are not read again.
+        earlier = dict(self._disk_hits[1]) if self._disk_hits and self._disk_hits[0] == req.req_id else {}
         self._disk_hits = None
         if self.disk is not None and len(hits) < max_hit_blocks:
             # No more blocks than the pool could give this request: the rest would be read for nothing.
             room = self.pool.num_free_blocks - sum(1 for b in hits if b.ref_cnt == 0)
             loaded = []
             for block_hash in self.req_hashes[req.req_id][len(hits):min(max_hit_blocks, len(hits) + room)]:
-                payload = self.disk.load(block_hash)
+                payload = earlier.get(block_hash) or self.disk.load(block_hash)
                 if payload is None:
                     break
                 loaded.append((block_hash, payload))
@@ -141,9 +143,9 @@ class KVCacheManager:
         computed_blocks = computed_blocks or []
         # Blocks get_computed_blocks just read from disk for this request follow computed_blocks; they take
         # new blocks, counted in num_needed.
-        disk_hits = self._disk_hits[1] if self._disk_hits and self._disk_hits[0] == req.req_id else []
-        self._disk_hits = None
         blocks = self.req_blocks.setdefault(req.req_id, [])
+        pending = self._disk_hits
+        disk_hits = pending[1] if pending and pending[0] == req.req_id and not blocks else []
         num_computed_blocks = len(computed_blocks) + len(disk_hits)
         num_tokens = req.num_computed_tokens + num_computed_blocks * self.block_size + num_new_tokens
         num_needed = max(cdiv(num_tokens, self.block_size) - len(blocks) - len(computed_blocks), 0)
@@ -164,6 +166,8 @@ class KVCacheManager:
         blocks.extend(computed_blocks)
         new_blocks = self.pool.allocate(num_needed)
         blocks.extend(new_blocks)
+        if disk_hits:
+            self._disk_hits = None  # taken; a refusal above keeps them for the request's next try
         for block, (block_hash, payload) in zip(new_blocks, disk_hits):
             self._ops.load.append((block.block_id, payload))
             self.pool.cache(block, block_hash)  # loaded before any forward pass reads it
