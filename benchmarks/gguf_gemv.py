@@ -16,6 +16,8 @@ microseconds per call, the median over rounds that interleave the paths:
   amx bf16    gemm_gguf_amx (amx variant only): bf16 tiles, the bf16 path for more rows
   gemv f32    gemm_gguf on float32 x
   tiles f32   float32 tiles dequantized per call + torch's GEMM: the float32 path for many rows
+  int8 f32    gemm_gguf_int8 on float32 x (x quantized to int8 per call; avx512 / amx variants, the types
+              it has: Q4_K, Q5_K, Q6_K): what the dispatcher runs up to 64 rows unless PAGEDSERVE_GGUF_INT8=0
 Then GB/s: the weight bytes read per second by each path. Run with another checkout's interpreter to time its
 gemm_gguf (paths it lacks are left out). --out also writes the table as JSON, with the load average before
 and after (the machine may be shared).
@@ -67,6 +69,8 @@ def paths(ops, qtype: int, cols: int, other_isas: list[str]):
         out["amx bf16"] = lambda x, w: ops.gemm_gguf_amx(x[1], w, qtype, None)
     out["gemv f32"] = lambda x, w: ops.gemm_gguf(x[0], w, qtype, None)
     out["tiles f32"] = lambda x, w: x[0] @ gguf_dequantize(GGUFWeight((qtype,), (w,), cols)).t()
+    if hasattr(ops, "gguf_int8_types") and qtype in ops.gguf_int8_types():
+        out["int8 f32"] = lambda x, w: ops.gemm_gguf_int8(x[0], w, qtype, None)
     for name in other_isas:
         other = kernels.load_isa(name)
         out[f"f32 {name}"] = lambda x, w, other=other: other.gemm_gguf(x[0], w, qtype, None)
@@ -113,7 +117,7 @@ def main() -> None:
         ws = copies(rows, cols, qtype, quantized=args.model == "smollm")
         fns = paths(ops, int(qtype), cols, [i for i in args.isas.split(",") if i])
         if args.model == "llama1b":  # gemm_gguf f32 only: dequantizing a 49152 x 2048 LM head per call is 400 MB
-            fns = {p: fn for p, fn in fns.items() if p == "gemv f32" or p.startswith("f32 ")}
+            fns = {p: fn for p, fn in fns.items() if p in ("gemv f32", "int8 f32") or p.startswith("f32 ")}
         gigabytes = ws[0].numel() / 1e9
         print(f"\n{name} [{rows} x {cols}] {qtype.name}, {len(ws)} copies; us per call (GB/s of weights)")
         print("rows " + "".join(f"{p:>20}" for p in fns))

@@ -9,6 +9,10 @@ import pytest
 # The suite's oracles (transformers, the reference backend) run in float32: `--dtype auto` stays float32 in
 # every test and every server a test starts, whatever this CPU has. The dtype tests set dtypes explicitly.
 os.environ.setdefault("PAGEDSERVE_AUTO_DTYPE", "float32")
+# GGUF k-quant weights multiply float32 activations, never int8-quantized ones (csrc/gguf_int8.h): the
+# exact-equality tests (against transformers, dequantized weights, other batch sizes) hold. The int8 tests
+# turn it on (tests/model/test_gguf_int8.py).
+os.environ.setdefault("PAGEDSERVE_GGUF_INT8", "0")
 
 
 @pytest.fixture(scope="session")

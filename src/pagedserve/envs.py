@@ -9,6 +9,9 @@ test or a launcher that sets one before the first use is obeyed.
     PAGEDSERVE_REQUIRE_KERNELS "1": a kernel build that fails is an error (RuntimeError), not a warning and the
                           pure-torch paths; CI sets it (.ci/run) so a broken build fails the run instead of
                           skipping the kernel tests. PAGEDSERVE_KERNELS=0 still turns the kernels off
+    PAGEDSERVE_GGUF_INT8  "0": GGUF block weights never multiply int8-quantized activations (csrc/gguf_int8.h),
+                          only float32 ones (default on where the kernel variant has the int8 kernel; the
+                          test suite pins "0" so its exact-equality tests hold)
     PAGEDSERVE_TEST_ALL_ISAS "1": the kernel parity tests run every variant this CPU runs, not only its own
                           and baseline (each costs a build of minutes)
     PAGEDSERVE_AUTO_DTYPE what `--dtype auto` means, when set: "float32", "bfloat16" or "float16" (the test
@@ -29,6 +32,10 @@ def kernels_enabled() -> bool:
 
 def kernels_required() -> bool:
     return os.environ.get("PAGEDSERVE_REQUIRE_KERNELS") == "1"
+
+
+def gguf_int8() -> bool:
+    return os.environ.get("PAGEDSERVE_GGUF_INT8", "1") != "0"
 
 
 def api_key() -> str | None:

@@ -1,8 +1,9 @@
 """The compiled decoder stack (model/layers/decoder_stack.py) computes what the layer modules compute, bit for
 bit: logits and every layer's KV cache, for decode rows, prefill chunks and mixed batches, float32 and bfloat16,
-on weights the AMX GEMM takes (Q4_1), on weights only gemm_gguf takes (Q4_K) and on fused weights of several
-types (Q4_K_M-like). Where some layer needs the modules (a float weight, a batch that goes through dequantized
-tiles, the reference attention) the model runs the modules."""
+on weights the AMX GEMM takes (Q4_1), on weights only gemm_gguf takes (Q4_K), on fused weights of several
+types (Q4_K_M-like), and through the int8 kernel (gemm_gguf_int8) where it runs. Where some layer needs the
+modules (a float weight, a batch that goes through dequantized tiles, the reference attention) the model runs
+the modules."""
 from __future__ import annotations
 
 import pytest
@@ -42,15 +43,20 @@ def _forward(model, seqs, caches, tables):
     return model.compute_logits(model(ids, positions, caches, meta)), meta, ids, positions
 
 
-# every linear of one type, or LAYER_TYPES: qkv Q4_K + Q5_K + Q6_K, gate_up Q5_0 + Q5_1, every kernel type
+# every linear of one type, or LAYER_TYPES: qkv Q4_K + Q5_K + Q6_K, gate_up Q5_0 + Q5_1, every kernel type;
+# "Q4_K_M int8": a Q4_K_M file's types (v and down Q6_K) with gemm_gguf_int8 on (the suite turns it off,
+# tests/conftest.py), where the kernel variant has it
+Q4_K_M = dict({kind: T.Q4_K for kind in LAYER_TYPES}, attn_v=T.Q6_K, ffn_down=T.Q6_K)
 LAYER_QTYPES = {"Q4_1": {kind: T.Q4_1 for kind in LAYER_TYPES}, "Q4_K": {kind: T.Q4_K for kind in LAYER_TYPES},
-                "mixed": LAYER_TYPES}
+                "mixed": LAYER_TYPES, "Q4_K_M int8": Q4_K_M}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("types", list(LAYER_QTYPES))
-def test_stack_equals_modules(tmp_path, types, dtype) -> None:
+def test_stack_equals_modules(tmp_path, types, dtype, monkeypatch) -> None:
     qtypes = LAYER_QTYPES[types]
+    if types.endswith("int8"):
+        monkeypatch.setenv("PAGEDSERVE_GGUF_INT8", "1")
     model = _model(tmp_path, qtypes, dtype)
     gen = torch.Generator().manual_seed(0)
     caches = [c.copy_(torch.randn(c.shape, generator=gen)) for c in
@@ -77,6 +83,8 @@ def test_stack_equals_modules(tmp_path, types, dtype) -> None:
     assert used == [not t for t in tiles]
     if kernels.selected_isa() != "baseline":
         assert used == [True, True, True, True]
+    int8 = [kernel_choice(ops, dtype, (int(t),)).path(1) == "int8" for t in set(qtypes.values())]
+    assert all(int8) == (types.endswith("int8") and int(T.Q4_K) in ops.gguf_int8_types())
 
 
 def test_modules_serve_what_the_stack_does_not(tmp_path) -> None:

@@ -5,12 +5,13 @@
 // stream. Each op is still called through the dispatcher (its own checks included); the handles are looked up
 // once.
 //   decoder_layers(x, positions, kv_caches, <attention metadata>, scale, cos_sin, norms, weights, qtypes, parts,
-//                  biases, amx, heads, eps) -> (x, residual)
+//                  biases, gemm_ids, heads, eps) -> (x, residual)
 // Per layer i: norms[2i], norms[2i+1] (input / post-attention RMSNorm weights); linears 4i..4i+3 (qkv, o,
 // gate_up, down), linear j made of parts[j] row segments of GGUF blocks of one type each (a Q4_K_M qkv_proj:
-// Q4_K and Q6_K), listed in order in weights and their types in qtypes; biases[j] (None for none); amx[j]
-// multiplies linear j with gemm_gguf_amx instead of gemm_gguf (model/layers/gguf_quant.py picks, as it does
-// per call from Python); heads = [num_heads, num_kv_heads, head_dim]. x: the embeddings [tokens, hidden];
+// Q4_K and Q6_K), listed in order in weights and their types in qtypes; biases[j] (None for none); gemm_ids[j]
+// the kernel of linear j: 0 gemm_gguf, 1 gemm_gguf_amx, 2 gemm_gguf_int8 (model/layers/gguf_quant.py's
+// kernel_choice picks, as it does per call from Python: GEMM_IDS); heads = [num_heads, num_kv_heads,
+// head_dim]. x: the embeddings [tokens, hidden];
 // returns the last layer's output and the residual stream (the hidden state is their sum, pre-final-norm).
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -49,6 +50,7 @@ using AttentionSig = Tensor(const Tensor&, const Tensor&, const Tensor&, Tensor,
                             const Tensor&, const Tensor&, double, int64_t);
 using GemmSig = Tensor(const Tensor&, const Tensor&, int64_t, const OptTensor&);
 using AmxSig = Tensor(const Tensor&, const Tensor&, int64_t, const OptTensor&, std::optional<at::ScalarType>);
+using Int8Sig = Tensor(const Tensor&, const Tensor&, int64_t, const OptTensor&, std::optional<bool>);
 
 struct Ops {
   Op<NormSig> rms_norm = handle<NormSig>("rms_norm");
@@ -57,6 +59,7 @@ struct Ops {
   Op<ActSig> silu_and_mul = handle<ActSig>("silu_and_mul");
   Op<AttentionSig> attention = handle<AttentionSig>("paged_attention");
   Op<GemmSig> gemm = handle<GemmSig>("gemm_gguf");
+  Op<Int8Sig> int8_gemm = handle<Int8Sig>("gemm_gguf_int8");
 };
 
 const Ops& ops() {
@@ -77,15 +80,18 @@ std::tuple<Tensor, Tensor> decoder_layers(const Tensor& embeddings, const Tensor
                                           const std::vector<Tensor>& norms, const std::vector<Tensor>& weights,
                                           c10::IntArrayRef qtypes, c10::IntArrayRef parts,
                                           const std::vector<OptTensor>& biases,
-                                          c10::IntArrayRef amx, c10::IntArrayRef heads, double eps) {
+                                          c10::IntArrayRef gemm_ids, c10::IntArrayRef heads, double eps) {
   constexpr const char* op = "decoder_layers";
   const auto layers = static_cast<int64_t>(kv_caches.size());
   TORCH_CHECK(layers > 0, op, ": no layers");
   TORCH_CHECK(norms.size() == 2 * kv_caches.size(), op, ": ", norms.size(), " norm weights for ", layers, " layers");
   const size_t n_linears = 4 * kv_caches.size();
-  TORCH_CHECK(parts.size() == n_linears && biases.size() == n_linears && amx.size() == n_linears, op,
-              ": parts, biases and amx need 4 entries per layer (", n_linears, "), got ", parts.size(), ", ",
-              biases.size(), ", ", amx.size());
+  TORCH_CHECK(parts.size() == n_linears && biases.size() == n_linears && gemm_ids.size() == n_linears, op,
+              ": parts, biases and gemm_ids need 4 entries per layer (", n_linears, "), got ", parts.size(), ", ",
+              biases.size(), ", ", gemm_ids.size());
+  for (size_t j = 0; j < n_linears; ++j)
+    TORCH_CHECK(gemm_ids[j] >= 0 && gemm_ids[j] <= 2, op, ": gemm_ids[", j, "] is ", gemm_ids[j],
+                "; 0 gemm_gguf, 1 gemm_gguf_amx, 2 gemm_gguf_int8");
   std::vector<size_t> first(n_linears + 1, 0);  // linear j's parts: weights[first[j] .. first[j + 1] - 1]
   for (size_t j = 0; j < n_linears; ++j) {
     TORCH_CHECK(parts[j] > 0, op, ": linear ", j, " has ", parts[j], " parts");
@@ -99,8 +105,11 @@ std::tuple<Tensor, Tensor> decoder_layers(const Tensor& embeddings, const Tensor
   const Ops& o = ops();
   const int64_t tokens = embeddings.size(0), q_size = heads[0] * heads[2], kv_size = heads[1] * heads[2];
   auto gemm = [&](const Tensor& x, size_t j, size_t part, const OptTensor& bias) {
-    return amx[j] ? amx_gemm().call(x, weights[part], qtypes[part], bias, std::nullopt)
-                  : o.gemm.call(x, weights[part], qtypes[part], bias);
+    switch (gemm_ids[j]) {
+      case 1: return amx_gemm().call(x, weights[part], qtypes[part], bias, std::nullopt);
+      case 2: return o.int8_gemm.call(x, weights[part], qtypes[part], bias, std::nullopt);
+      default: return o.gemm.call(x, weights[part], qtypes[part], bias);
+    }
   };
   auto linear = [&](const Tensor& x, size_t j) {
     if (parts[j] == 1) return gemm(x, j, first[j], biases[j]);
@@ -140,7 +149,7 @@ std::tuple<Tensor, Tensor> decoder_layers(const Tensor& embeddings, const Tensor
 PAGEDSERVE_LIBRARY_FRAGMENT(m) {
   m.def("decoder_layers(Tensor x, Tensor positions, Tensor(a!)[] kv_caches, Tensor slot_mapping, "
         "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale, Tensor cos_sin, Tensor[] norms, "
-        "Tensor[] weights, int[] qtypes, int[] parts, Tensor?[] biases, int[] amx, int[] heads, float eps) "
+        "Tensor[] weights, int[] qtypes, int[] parts, Tensor?[] biases, int[] gemm_ids, int[] heads, float eps) "
         "-> (Tensor, Tensor)");
   m.impl("decoder_layers", c10::DispatchKey::CPU, decoder_layers);
 }

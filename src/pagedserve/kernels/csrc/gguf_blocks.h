@@ -72,6 +72,26 @@ inline int64_t features(const at::Tensor& w, int64_t type, const char* op) {
   return w.size(1) / bytes * elems;
 }
 
+// A block GEMM's inputs checked (gemm_gguf, gemm_gguf_int8): x [M, K] Float or BFloat16 with contiguous rows,
+// w [N, row_bytes] whole blocks of K weights per row, bias [N] of Float or x's dtype or none. Returns K; the
+// bias as contiguous float32 in bias32 (left undefined for none).
+inline int64_t check_gemm(const at::Tensor& x, const at::Tensor& w, int64_t type,
+                          const c10::optional<at::Tensor>& bias, const char* op, at::Tensor& bias32) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, op,
+              ": x must be Float or BFloat16, got ", x.scalar_type());
+  pagedserve::check_tensor(x, op, "x", x.scalar_type(), 2, pagedserve::Layout::kRows);
+  const int64_t k = features(w, type, op), n = w.size(0);
+  TORCH_CHECK(x.size(1) == k, op, ": x has ", x.size(1), " features, the weight's rows hold ", k);
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == x.scalar_type() || bias->scalar_type() == at::kFloat, op,
+                ": bias must be Float or x's dtype, got ", bias->scalar_type());
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, op, ": bias has ", bias->numel(), " entries, the weight has ",
+                n, " rows");
+    bias32 = bias->to(at::kFloat).contiguous();
+  }
+  return k;
+}
+
 inline float f16(const uint8_t* p) {
   uint16_t bits;
   std::memcpy(&bits, p, 2);

@@ -108,20 +108,8 @@ void decode_typed(const decode::Args& a, int64_t m, bool bf16_out) {
 #endif
 
 at::Tensor gemm_gguf(const at::Tensor& x, const at::Tensor& w, int64_t type, const c10::optional<at::Tensor>& bias) {
-  constexpr const char* op = "gemm_gguf";
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, op,
-              ": x must be Float or BFloat16, got ", x.scalar_type());
-  pagedserve::check_tensor(x, op, "x", x.scalar_type(), 2, pagedserve::Layout::kRows);
-  const int64_t k = features(w, type, op), n = w.size(0), m = x.size(0);
-  TORCH_CHECK(x.size(1) == k, op, ": x has ", x.size(1), " features, the weight's rows hold ", k);
   at::Tensor bias32;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->scalar_type() == x.scalar_type() || bias->scalar_type() == at::kFloat, op,
-                ": bias must be Float or x's dtype, got ", bias->scalar_type());
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, op, ": bias has ", bias->numel(), " entries, the weight has ",
-                n, " rows");
-    bias32 = bias->to(at::kFloat).contiguous();
-  }
+  const int64_t k = check_gemm(x, w, type, bias, "gemm_gguf", bias32), n = w.size(0), m = x.size(0);
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   const float* bp = bias32.defined() ? bias32.data_ptr<float>() : nullptr;
   at::Tensor y = at::empty({m, n}, x.options());

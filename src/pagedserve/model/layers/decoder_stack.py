@@ -7,8 +7,8 @@ the same ops in the same order, so its output is bit-identical to the modules' (
 
 It serves the common case and leaves everything else to the modules: every linear holds GGUF blocks in their
 inputs' natural order (the default for GGUF files; a fused weight may have parts of several types, as a Q4_K_M
-qkv_proj does) that gemm_gguf or gemm_gguf_amx multiplies at this batch size, every layer attends through the
-compiled CPU kernel (no sliding window, no reference fallback), the plain Llama layer (model/family.py: no q/k
+qkv_proj does) that gemm_gguf, gemm_gguf_amx or gemm_gguf_int8 multiplies at this batch size, every layer
+attends through the compiled CPU kernel (no sliding window, no reference fallback), the plain Llama layer (model/family.py: no q/k
 norm, Gemma norms, GeGLU, partial rotary or per-layer rope), no tensor parallelism, activations of a dtype the
 layer kernels take. `build` checks what is fixed per model, `__call__` what depends on the step, and returns
 None to send the step through the modules.
@@ -20,7 +20,7 @@ import torch
 from pagedserve import kernels
 from pagedserve.attention.cpu_paged import CpuPagedAttentionBackend, kernel_supports
 from pagedserve.attention.metadata import AttentionMetadata
-from pagedserve.model.layers.gguf_quant import kernel_choice
+from pagedserve.model.layers.gguf_quant import GEMM_IDS, kernel_choice
 from pagedserve.model.layers.linear import Linear
 from pagedserve.model.layers.norm import RMSNorm
 
@@ -74,17 +74,17 @@ class DecoderStack:
         if ops is None or x.dtype != self.dtype or x.dim() != 2 or not all(
                 kernel_supports(x.dtype, c.dtype) for c in kv_caches):
             return None
-        amx = self._amx_flags(ops, x.dtype, x.shape[0])
-        if amx is None:
+        gemm_ids = self._gemm_ids(ops, x.dtype, x.shape[0])
+        if gemm_ids is None:
             return None
         return ops.decoder_layers(x, positions, kv_caches, meta.slot_mapping, meta.block_tables, meta.seq_lens,
                                   meta.query_start_loc, self.scale, self.rotary_emb._table(), self.norms,
-                                  self.weights, self.qtypes, self.parts, self.biases, amx, self.heads, self.eps)
+                                  self.weights, self.qtypes, self.parts, self.biases, gemm_ids, self.heads, self.eps)
 
-    def _amx_flags(self, ops, dtype: torch.dtype, m: int) -> list[int] | None:
-        # Per weight: 1 for gemm_gguf_amx, 0 for gemm_gguf, as gguf_linear picks for m rows (the same
-        # kernel_choice); None when some weight would go through dequantized tiles instead.
+    def _gemm_ids(self, ops, dtype: torch.dtype, m: int) -> list[int] | None:
+        # Per linear, the kernel gguf_linear picks for m rows (the same kernel_choice) as GEMM_IDS codes; None
+        # when some weight would go through dequantized tiles instead.
         paths = {q: kernel_choice(ops, dtype, q).path(m) for q in self.qtype_set}
         if "tiles" in paths.values():
             return None
-        return [int(paths[q] == "amx") for q in self.linear_qtypes]
+        return [GEMM_IDS[paths[q]] for q in self.linear_qtypes]

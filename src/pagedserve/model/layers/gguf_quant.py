@@ -20,6 +20,11 @@ bfloat16 activations (--dtype bfloat16, what `auto` picks on CPUs with AMX) give
 widens them to float32 once per call. On the `amx` kernel variant, Q4_1 and Q8_0 weights multiply more than
 DECODE_MAX_ROWS_AMX rows through gemm_gguf_amx (csrc/gguf_amx.cpp: blocks rebuilt into bf16 AMX tiles, and
 from 512 rows the weight rebuilt as bf16 for torch's bf16 GEMM, oneDNN on AMX).
+
+Where the kernel variant has it (avx512, amx), weights whose every type is in INT8_TYPES (Q4_K, Q5_K, Q6_K)
+take gemm_gguf_int8 for up to INT8_MAX_ROWS rows of x instead of gemm_gguf: x quantized to int8 per 256 values
+and integer dot products (csrc/gguf_int8.h), as llama.cpp does; results differ from the float kernels by x's
+rounding (at most sum |w| * dx / 2 per output). PAGEDSERVE_GGUF_INT8=0 keeps the float kernels.
 """
 from __future__ import annotations
 
@@ -28,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedserve import kernels
+from pagedserve import envs, kernels
 
 # GGML type id -> (name, weights per block, bytes per block): the types the kernels rebuild.
 GGUF_BLOCK_TYPES = {2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24),
@@ -46,6 +51,14 @@ DECODE_MAX_ROWS_AMX = 4
 DECODE_MAX_ROWS = 64
 # The baseline build's portable loop (no vectorized decode kernel) wins up to this many rows of x.
 PORTABLE_MAX_ROWS = 8
+# The types gemm_gguf_int8 takes for 1 to INT8_MAX_ROWS rows of x where the kernel variant has it. Measured
+# against gemm_gguf at Llama-1B shapes (512 x 2048, one thread, weights in cache, contended 2-core EPYC;
+# benchmarks/gguf_gemv.py's int8 column times them cold): Q4_K 1.1x its speed at 1 row, 1.7x at 8, 2.0x
+# from 16; Q5_K 1.3x at 1, 2.0x at 16; Q6_K 2.1x at 1, 3.3x from 16. The kernel also multiplies Q4_0, Q4_1,
+# Q5_0, Q5_1 and Q8_0 (blocks of 32, a float scale each), but slower than gemm_gguf's table kernels below
+# ~8 rows (Q4_1 at 1 row: 0.5x) and not clearly faster above on that machine: not chosen until timed quietly.
+INT8_TYPES = (12, 13, 14)
+INT8_MAX_ROWS = 64
 
 
 @dataclass(slots=True)
@@ -135,25 +148,44 @@ def _has_decode_kernel(ops) -> bool:
     return ops.compiled_isa() != "baseline"
 
 
+@functools.cache
+def _int8_types(ops) -> frozenset[int]:
+    # The INT8_TYPES gemm_gguf_int8 multiplies in this build on this CPU (none in avx2 and baseline).
+    return frozenset(ops.gguf_int8_types()) & frozenset(INT8_TYPES)
+
+
 @dataclass(frozen=True, slots=True)
 class KernelChoice:
     # How one weight's matmuls run in this process, decided once per (block types, activation dtype, kernel
-    # variant): up to gemv_max_rows rows of x through gemm_gguf, more through gemm_gguf_amx where `amx`, else
-    # through dequantized tiles and torch's GEMM.
+    # variant, PAGEDSERVE_GGUF_INT8): up to int8_max_rows rows of x through gemm_gguf_int8, up to
+    # gemv_max_rows through gemm_gguf, more through gemm_gguf_amx where `amx`, else through dequantized tiles
+    # and torch's GEMM.
     gemv_max_rows: int
     amx: bool
+    int8_max_rows: int = 0
 
     def path(self, m: int) -> str:
-        # "gemv", "amx" or "tiles" for m rows of x
+        # "int8", "gemv", "amx" or "tiles" for m rows of x
+        if m <= self.int8_max_rows:
+            return "int8"
         return "gemv" if m <= self.gemv_max_rows else "amx" if self.amx else "tiles"
 
 
-@functools.cache
+# The decoder stack's code per path (csrc/decoder_layers.cpp's gemm_ids); "tiles" has none (the modules run).
+GEMM_IDS = {"gemv": 0, "amx": 1, "int8": 2}
+
+
 def kernel_choice(ops, dtype: torch.dtype, qtypes: tuple[int, ...]) -> KernelChoice:
+    return _kernel_choice(ops, dtype, qtypes, envs.gguf_int8())
+
+
+@functools.cache
+def _kernel_choice(ops, dtype: torch.dtype, qtypes: tuple[int, ...], int8_allowed: bool) -> KernelChoice:
     amx = dtype == torch.bfloat16 and _amx_gemm(ops) is not None and all(t in AMX_TYPES for t in qtypes)
+    int8 = INT8_MAX_ROWS if int8_allowed and all(t in _int8_types(ops) for t in qtypes) else 0
     if not _has_decode_kernel(ops):
-        return KernelChoice(PORTABLE_MAX_ROWS, amx)
-    return KernelChoice(DECODE_MAX_ROWS_AMX if amx else DECODE_MAX_ROWS, amx)
+        return KernelChoice(PORTABLE_MAX_ROWS, amx, int8)
+    return KernelChoice(DECODE_MAX_ROWS_AMX if amx else DECODE_MAX_ROWS, amx, int8)
 
 
 def gguf_linear(x: torch.Tensor, w: GGUFWeight, bias: torch.Tensor | None) -> torch.Tensor:
@@ -161,6 +193,8 @@ def gguf_linear(x: torch.Tensor, w: GGUFWeight, bias: torch.Tensor | None) -> to
     ops, m = _ops(), x.shape[0]
     x = x.contiguous() if w.in_order is None else x.index_select(1, w.in_order)
     path = kernel_choice(ops, x.dtype, w.qtypes).path(m)
+    if path == "int8":
+        return _by_parts(w, bias, lambda p, t, b: ops.gemm_gguf_int8(x, p, t, b))
     if path == "gemv":
         return _by_parts(w, bias, lambda p, t, b: ops.gemm_gguf(x, p, t, b))
     if path == "amx":

@@ -1,0 +1,99 @@
+// The int8-activation block GEMM of gguf_int8.h as ops:
+//   gemm_gguf_int8(x [M, K] f32 or bf16, w [N, row_bytes] u8, type, bias?, vnni?) -> y [M, N] = x^ W^T (+ bias)
+//     x^: x quantized to int8 per 256 values (gguf_int8.h); y in x's dtype. vnni: None takes AVX512-VNNI where
+//     the CPU has it; False the AVX512-BW dot products; True requires VNNI.
+//   gguf_int8_types(vnni?) -> the GGML types gemm_gguf_int8 multiplies in this build on this CPU (empty:
+//     none), with the dot products `vnni` picks as above
+// model/layers/gguf_quant.py's kernel_choice decides when it runs.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "checks.h"
+#include "gguf_blocks.h"
+#include "gguf_int8.h"
+#include "ops_library.h"
+
+namespace {
+
+using namespace pagedserve::gguf;
+
+// vnni: None the dot products gemm_gguf_int8 takes by default; False AVX512-BW's (no Q8_0)
+std::vector<int64_t> gguf_int8_types(c10::optional<bool> vnni) {
+#if defined(PAGEDSERVE_GGUF_INT8)
+  std::vector<int64_t> types{kQ4_0, kQ4_1, kQ5_0, kQ5_1, kQ4_K, kQ5_K, kQ6_K};
+  if (vnni.value_or(int8::cpu_has_vnni()) && int8::cpu_has_vnni()) types.push_back(kQ8_0);
+  return types;
+#else
+  (void)vnni;
+  return {};
+#endif
+}
+
+at::Tensor gemm_gguf_int8(const at::Tensor& x, const at::Tensor& w, int64_t type,
+                          const c10::optional<at::Tensor>& bias, c10::optional<bool> vnni) {
+  constexpr const char* op = "gemm_gguf_int8";
+  at::Tensor bias32;
+  const int64_t k = check_gemm(x, w, type, bias, op, bias32), n = w.size(0), m = x.size(0);
+  const std::vector<int64_t> types = gguf_int8_types(c10::nullopt);
+  TORCH_CHECK(std::find(types.begin(), types.end(), type) != types.end(), op, ": GGML type ", type,
+              " has no int8 kernel in the ", pagedserve::compiled_isa(), " build");
+  at::Tensor y = at::empty({m, n}, x.options());
+#if defined(PAGEDSERVE_GGUF_INT8)
+  const bool has_vnni = int8::cpu_has_vnni();
+  TORCH_CHECK(!vnni.value_or(false) || has_vnni, op, ": this CPU has no AVX512-VNNI");
+  if (m == 0 || n == 0) return y;
+  // x quantized: rows of kpad quants (64-byte aligned vectors), per group its scale and 16 sums
+  const int64_t groups = (k + int8::kGroup - 1) / int8::kGroup, kpad = groups * int8::kGroup;
+  std::vector<int8_t> q(m * kpad + 64);
+  std::vector<float> d(m * groups), s16(m * groups * 16);
+  int8_t* qp = reinterpret_cast<int8_t*>((reinterpret_cast<uintptr_t>(q.data()) + 63) & ~uintptr_t{63});
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
+    std::vector<float> widened(bf16 ? k : 0);
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* row;
+      if (bf16) {
+        const c10::BFloat16* xb = x.data_ptr<c10::BFloat16>() + r * x.stride(0);
+        for (int64_t j = 0; j < k; ++j) widened[j] = static_cast<float>(xb[j]);
+        row = widened.data();
+      } else {
+        row = x.data_ptr<float>() + r * x.stride(0);
+      }
+      int8::quantize_row(row, k, qp + r * kpad, d.data() + r * groups, s16.data() + r * groups * 16);
+    }
+  });
+  const int8::Args a{{qp, d.data(), s16.data(), kpad, groups}, m, k, w.data_ptr<uint8_t>(), n, w.size(1),
+                     bias32.defined() ? bias32.data_ptr<float>() : nullptr, y.data_ptr()};
+  const bool use_vnni = vnni.value_or(has_vnni);
+#define PAGEDSERVE_INT8_CASE(T) \
+  case T: bf16 ? int8::gemm<T, c10::BFloat16>(a, use_vnni) : int8::gemm<T, float>(a, use_vnni); break;
+  switch (type) {
+    PAGEDSERVE_INT8_CASE(kQ4_0)
+    PAGEDSERVE_INT8_CASE(kQ4_1)
+    PAGEDSERVE_INT8_CASE(kQ5_0)
+    PAGEDSERVE_INT8_CASE(kQ5_1)
+    PAGEDSERVE_INT8_CASE(kQ8_0)
+    PAGEDSERVE_INT8_CASE(kQ4_K)
+    PAGEDSERVE_INT8_CASE(kQ5_K)
+    PAGEDSERVE_INT8_CASE(kQ6_K)
+    default: break;
+  }
+#undef PAGEDSERVE_INT8_CASE
+#else
+  (void)vnni, (void)k;
+#endif
+  return y;
+}
+
+}  // namespace
+
+PAGEDSERVE_LIBRARY_FRAGMENT(m) {
+  m.def("gemm_gguf_int8(Tensor x, Tensor w, int type, Tensor? bias, bool? vnni=None) -> Tensor");
+  m.impl("gemm_gguf_int8", c10::DispatchKey::CPU, gemm_gguf_int8);
+  m.def("gguf_int8_types(bool? vnni=None) -> int[]", &gguf_int8_types);
+}

@@ -1,0 +1,171 @@
+"""The int8-activation block GEMM (gemm_gguf_int8, csrc/gguf_int8.h) and the dispatcher's choice of it.
+
+The kernel quantizes each row of x to int8 per 256 values (dx = max|x| / 127, q = round(x / dx)) and multiplies
+the weights' integer quants into it; so its result is gguf's dequantized weight times x^ = dx * q, exactly up to
+float32 rounding, and differs from the float kernels' by at most sum_k |w_k| * dx / 2 (x's rounding). Both are
+checked on random blocks of every type the kernel has (every bit pattern of quants, packed scales and high
+bits), for rows of x 1..70 (odd counts, more than one pass of 64), float32 and bf16 x, both dot products this
+CPU runs (AVX512-VNNI and AVX512-BW) and every kernel variant the parity tests run (those without the kernel
+must never be picked)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+
+from pagedserve import kernels
+from pagedserve.kernels import isa
+from pagedserve.model.layers import gguf_quant
+from pagedserve.model.layers.gguf_quant import concat_rows, gguf_linear, kernel_choice
+from tests.model.test_gguf_blocks import as_weight, raw_blocks, reference
+
+ISAS = kernels.parity_isas()
+pytestmark = pytest.mark.skipif(not ISAS, reason="the compiled kernels could not be built here")
+# every type the kernel has (the dispatcher picks it for gguf_quant.INT8_TYPES); Q8_0 needs VNNI
+KERNEL_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
+# the dot products: None (the best this CPU has), AVX512-BW, and AVX512-VNNI where the CPU has it
+DOTS = [None, False] + ([True] if "avx512_vnni" in isa.cpu_flags() else [])
+ROWS = (1, 2, 3, 8, 17, 64, 70)
+
+
+def int8_ops(isa_name: str):
+    ops = kernels.load_isa(isa_name)
+    return ops if ops.gguf_int8_types() else None
+
+
+def quantized(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    # (x^ as float64, the per-value bound on how far the kernel's x^ may be from it): x^ = dx * round(x / dx)
+    # per 256 values, rounded as the kernel does (float32 x * (127 / max), ties to even). A value within 1e-4
+    # of a tie may round either way (the kernel's 127 / max may differ by an ulp under -ffast-math): dx.
+    m, k = x.shape
+    g = padded(x).reshape(m, -1, 256)
+    top = g.abs().amax(-1, keepdim=True)
+    scaled = g * torch.where(top > 0, 127 / top, torch.zeros_like(top))
+    q = torch.round(scaled).clamp(-127, 127)
+    d = (top / 127).double()
+    ambiguous = ((scaled - scaled.floor() - 0.5).abs() < 1e-4).double() * d
+    return (q.double() * d).reshape(m, -1)[:, :k], ambiguous.reshape(m, -1)[:, :k]
+
+
+def padded(x: torch.Tensor) -> torch.Tensor:
+    # float32 x with its columns zero-padded to whole groups of 256 (the kernel's last group may be partial)
+    return torch.nn.functional.pad(x.float(), (0, -x.shape[1] % 256))
+
+
+def check(y: torch.Tensor, x: torch.Tensor, ref: torch.Tensor, bias: torch.Tensor | None, numerics: dict,
+          name: str) -> None:
+    # y = x^ W^T + bias up to float32 rounding; and within x's int8 rounding of x W^T + bias
+    extra = 0 if bias is None else bias.double()
+    xh, ambiguous = quantized(x)
+    w_abs = ref.abs()
+    terms = xh.abs() @ w_abs.T + (0 if bias is None else bias.double().abs())
+    exact = xh @ ref.T + extra
+    rounding = ambiguous @ w_abs.T
+    if y.dtype == torch.bfloat16:  # the same sums rounded once to bf16
+        rounding = rounding + exact.abs() * 2 ** -8
+    float_sums = x.shape[1] * 2 ** -24 * terms
+    err = (y.double() - exact).abs()
+    assert (err <= float_sums + rounding).all(), f"{name}: off x^ W^T by {err.max():.3g}"
+    # against float x: |x^ - x| <= dx / 2 per value
+    dx = (padded(x).reshape(x.shape[0], -1, 256).abs().amax(-1, keepdim=True) / 127).double()
+    int8_rounding = (dx.expand(-1, -1, 256).reshape(x.shape[0], -1)[:, :x.shape[1]] / 2) @ w_abs.T * (1 + 1e-3)
+    full = (y.double() - (x.double() @ ref.T + extra)).abs()
+    bound = int8_rounding + float_sums + rounding
+    assert (full <= bound).all(), f"{name}: off x W^T by {full.max():.3g}, bound {bound.min():.3g}"
+    key = f"int8 error / x rounding bound ({'bf16' if y.dtype == torch.bfloat16 else 'f32'})"
+    numerics[key] = max(numerics.get(key, 0.0), float((full / int8_rounding).max()))
+
+
+@pytest.mark.parametrize("isa_name", ISAS)
+@pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda t: t.name)
+def test_int8_kernel_matches_quantized_x(isa_name: str, qtype, numerics) -> None:
+    ops = int8_ops(isa_name)
+    if ops is None:  # no int8 kernel in this variant: an error, and the dispatcher never picks it
+        with pytest.raises(RuntimeError, match=f"has no int8 kernel in the {isa_name} build"):
+            kernels.load_isa(isa_name).gemm_gguf_int8(torch.zeros(1, 256), torch.zeros(1, 144, dtype=torch.uint8),
+                                                      int(T.Q4_K), None)
+        return
+    rng = np.random.default_rng(int(qtype))
+    # 23 weight rows: pairs and a last single row; 768 inputs (3 groups of 256), or 576 for blocks of 32 (the
+    # last group a quarter full)
+    rows, cols = 23, 768 if GGML_QUANT_SIZES[qtype][0] == 256 else 576
+    raw = raw_blocks(qtype, rows, cols, rng)
+    ref, w = reference(raw, qtype).double(), torch.from_numpy(raw.copy())
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(max(ROWS), cols + 32, generator=gen)[:, :cols]  # rows further apart than a row
+    x[5, 256:512] *= 50  # an outlier group: its own scale
+    x[6, :256] = 0  # an all-zero group
+    xb = x.bfloat16()
+    bias = torch.randn(rows, generator=gen)
+    dots = [dot for dot in DOTS if dot is not False or qtype != T.Q8_0]  # None: the same as one of the others
+    if qtype == T.Q8_0:
+        with pytest.raises(RuntimeError, match="needs AVX512-VNNI|type 8 has no int8 kernel"):
+            ops.gemm_gguf_int8(x[:1], w, int(qtype), None, False)
+        assert int(qtype) not in ops.gguf_int8_types(False)
+    if True not in DOTS and qtype == T.Q8_0:
+        return
+    for m in ROWS:
+        for dot in dots[1:]:
+            b = bias if m % 2 else None
+            y = ops.gemm_gguf_int8(x[:m], w, int(qtype), b, dot)
+            assert y.dtype == torch.float32 and y.shape == (m, rows)
+            check(y, x[:m], ref, b, numerics, f"{m} rows, vnni={dot}")
+            yb = ops.gemm_gguf_int8(xb[:m], w, int(qtype), None if b is None else b.bfloat16(), dot)
+            assert yb.dtype == torch.bfloat16
+            check(yb, xb[:m].float(), ref, None if b is None else b.bfloat16().float(), numerics,
+                  f"bf16, {m} rows, vnni={dot}")
+        # every dot product gives the same integers, so the same floats
+        results = [ops.gemm_gguf_int8(x[:m], w, int(qtype), None, dot) for dot in dots]
+        assert all(torch.equal(r, results[0]) for r in results)
+
+
+@pytest.mark.parametrize("isa_name", ISAS)
+def test_dispatcher_picks_int8(isa_name: str, monkeypatch) -> None:
+    # A Q4_K_M-like fused weight (Q4_K and Q6_K parts): gemm_gguf_int8 per part up to INT8_MAX_ROWS rows where
+    # the variant has it and PAGEDSERVE_GGUF_INT8 is not "0"; otherwise the float kernels, exactly as before.
+    # A weight with a type the int8 kernel lacks (Q4_1) keeps the float kernels.
+    rng = np.random.default_rng(5)
+    raws = [(T.Q4_K, raw_blocks(T.Q4_K, 24, 512, rng)), (T.Q6_K, raw_blocks(T.Q6_K, 8, 512, rng))]
+    fused = concat_rows([as_weight(r, t, 512) for t, r in raws])
+    ref = torch.cat([reference(r, t) for t, r in raws]).double()
+    q41 = as_weight(raw_blocks(T.Q4_1, 8, 512, rng), T.Q4_1, 512)
+    x = torch.randn(70, 512, generator=torch.Generator().manual_seed(0))
+    bias = torch.randn(32, generator=torch.Generator().manual_seed(1))
+    with kernels.use_isa(isa_name) as ops:
+        has_int8 = int8_ops(isa_name) is not None
+        for env in ("1", "0"):
+            monkeypatch.setenv("PAGEDSERVE_GGUF_INT8", env)
+            int8 = env == "1" and has_int8
+            choice = kernel_choice(ops, torch.float32, fused.qtypes)
+            assert choice.int8_max_rows == (gguf_quant.INT8_MAX_ROWS if int8 else 0)
+            assert kernel_choice(ops, torch.float32, q41.qtypes).path(1) != "int8"
+            for m in (1, 7, 64, 65):
+                y = gguf_linear(x[:m], fused, bias)
+                if int8 and m <= gguf_quant.INT8_MAX_ROWS:
+                    assert choice.path(m) == "int8"
+                    parts = [ops.gemm_gguf_int8(x[:m], p, t, None) for t, p in zip(fused.qtypes, fused.parts)]
+                    assert torch.equal(y, torch.cat(parts, dim=1).add_(bias))
+                else:
+                    assert choice.path(m) != "int8"
+                    torch.testing.assert_close(y.double(), x[:m].double() @ ref.T + bias.double(),
+                                               rtol=1e-5, atol=1e-5)
+
+
+def test_int8_bad_input() -> None:
+    ops = next((o for o in map(int8_ops, ISAS) if o is not None), None)
+    if ops is None:
+        pytest.skip("no kernel variant here has the int8 kernel")
+    w = torch.from_numpy(raw_blocks(T.Q4_K, 4, 256, np.random.default_rng(0)))
+    with pytest.raises(RuntimeError, match="GGML type 23 has no int8 kernel"):  # IQ4_XS
+        ops.gemm_gguf_int8(torch.randn(1, 256), torch.zeros(4, 136, dtype=torch.uint8), int(T.IQ4_XS), None)
+    with pytest.raises(RuntimeError, match="gemm_gguf_int8: x has 128 features, the weight's rows hold 256"):
+        ops.gemm_gguf_int8(torch.randn(1, 128), w, int(T.Q4_K), None)
+    with pytest.raises(RuntimeError, match="x must be Float or BFloat16"):
+        ops.gemm_gguf_int8(torch.randn(1, 256).half(), w, int(T.Q4_K), None)
+    with pytest.raises(RuntimeError, match="bias has 3 entries"):
+        ops.gemm_gguf_int8(torch.randn(1, 256), w, int(T.Q4_K), torch.zeros(3))
+    if True not in DOTS:
+        with pytest.raises(RuntimeError, match="no AVX512-VNNI"):
+            ops.gemm_gguf_int8(torch.randn(1, 256), w, int(T.Q4_K), None, True)
+    assert ops.gemm_gguf_int8(torch.randn(0, 256), w, int(T.Q4_K), None).shape == (0, 4)
