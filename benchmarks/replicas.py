@@ -12,7 +12,8 @@ Each replica's pool holds about a third of all system prompts (--kv-cache-memory
 store to every replica, whose pool then thrashes; cache_aware keeps a store on the replica that has its prefix.
 Reported per policy: TTFT p50/p90/p99, output tokens/s and requests/s, and per replica the requests served and
 the prefix-cache hit rate (from its /metrics). Targets: cache_aware TTFT p90 >= 2x better, throughput >= 1.3x.
-Timings need a quiet machine; replicas share its cores (--num-threads each).
+Timings need a quiet machine; replicas share its cores (--num-threads each). `--serve-args --kv-offload-dir DIR`
+(last) gives the replicas one disk tier: round robin then finds other replicas' prefixes on disk.
 """
 from __future__ import annotations
 
@@ -107,7 +108,9 @@ def run_policy(policy: str, args, systems, sessions) -> dict:
             m = scrape(url)
             q = m.get("pagedserve:prefix_cache_queries_total", 0.0)
             per_replica.append({"requests": m.get("pagedserve:request_success_total", 0.0),
-                                "prefix_cache_hit_rate": m.get("pagedserve:prefix_cache_hits_total", 0.0) / q if q else None})
+                                "prefix_cache_hit_rate": m.get("pagedserve:prefix_cache_hits_total", 0.0) / q if q else None,
+                                # with --serve-args --kv-offload-dir DIR: the hits' disk part
+                                "kv_offload_hit_tokens": m.get("pagedserve:kv_offload_hit_tokens_total")})
     finally:
         for server in servers:
             server.stop()
