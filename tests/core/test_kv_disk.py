@@ -206,3 +206,18 @@ def test_replicas_writing_one_directory_at_once(tmp_path):
     assert [bytes(stores[i % 2].load(h)) for i, h in enumerate(hashes)] == [payload(i) for i in range(40)]
     assert sorted(p.suffix for p in tmp_path.rglob("*") if p.is_file()) == [".kv"] * 40
     assert sum(s.stats.num_stored_blocks for s in stores) >= 40
+
+
+def test_blocks_queued_at_exit_reach_the_disk(tmp_path):
+    # An offline LLM has no shutdown: the interpreter's exit waits for the writer (here a slow one).
+    code = f"""
+import time
+from pagedserve.core.kv_disk import DiskKVStore, DiskRecord
+store = DiskKVStore({str(tmp_path)!r}, None, 4, b"r" * 32)
+write = store._write
+store._write = lambda *a: (time.sleep(0.1), write(*a))
+for i in range(3):
+    store.store(DiskRecord(0, bytes([i]) * 32, None, (), None), b"abcd")
+"""
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    assert len(list(tmp_path.rglob("*.kv"))) == 3

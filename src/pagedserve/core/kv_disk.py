@@ -16,6 +16,7 @@ touches its file) go until 90% of the bound is left.
 """
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 import os
@@ -23,6 +24,7 @@ import queue
 import struct
 import threading
 import time
+import weakref
 import zlib
 from dataclasses import dataclass, replace
 
@@ -35,6 +37,7 @@ _HEADER = struct.Struct("<4sI32sQI")  # magic, version, block hash, payload byte
 SUFFIX = ".kv"
 STALE_TMP_S = 3600.0           # a temporary file this old belongs to a writer that died
 MAX_QUEUED_BYTES = 256 << 20   # blocks waiting for the writer beyond this are dropped (counted), not queued
+EXIT_FLUSH_S = 30.0            # at interpreter exit, queued blocks get this long to reach the disk
 FULL_HASH_BYTES = 512 << 20    # model files up to this size are hashed whole for their identity
 SAMPLE_BYTES = 64 << 10
 
@@ -128,10 +131,14 @@ class DiskKVStore:
         self._queue: queue.Queue = queue.Queue()
         self._queued_bytes = 0
         self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)  # notified when the queue has been written out
         self._tmp_seq = 0
         self._scan()  # the directory's size, before the first write can push it over the bound
         self._thread = threading.Thread(target=self._write_loop, name="kv-offload-writer", daemon=True)
         self._thread.start()
+        # An offline LLM has no shutdown: the writer is a daemon thread, so without this the last blocks
+        # queued before the interpreter exits would be lost.
+        atexit.register(_flush_at_exit, weakref.ref(self))
 
     def path(self, block_hash: BlockHash) -> str:
         name = block_hash.hex()
@@ -190,9 +197,10 @@ class DiskKVStore:
             self._queued_bytes += self.block_nbytes
         self._queue.put((record, payload))
 
-    def flush(self) -> None:
-        # Returns once every queued block is on disk (tests, benchmarks, shutdown).
-        self._queue.join()
+    def flush(self, timeout: float | None = None) -> bool:
+        # True once every queued block is on disk (tests, benchmarks, shutdown); False if timeout ran out.
+        with self._idle:
+            return self._idle.wait_for(lambda: self._queued_bytes == 0, timeout)
 
     def close(self) -> None:
         self.flush()
@@ -208,8 +216,8 @@ class DiskKVStore:
             finally:
                 with self._lock:
                     self._queued_bytes -= self.block_nbytes
-                self._queue.task_done()
-        self._queue.task_done()
+                    if not self._queued_bytes:
+                        self._idle.notify_all()
 
     def _write(self, record: DiskRecord, payload) -> None:
         block_hash = record.block_hash
@@ -275,6 +283,12 @@ class DiskKVStore:
 
     def snapshot(self) -> KVOffloadStats:
         return replace(self.stats)
+
+
+def _flush_at_exit(ref: weakref.ref) -> None:
+    store = ref()
+    if store is not None:
+        store.flush(EXIT_FLUSH_S)
 
 
 def _unlink(path: str) -> bool:
