@@ -220,7 +220,7 @@ class Scheduler:
         # waiting request, the least urgent running request it outranks (running is in order) is preempted.
         # Room is estimated before the running requests allocate: their next tokens come first.
         now = self.waiting.now
-        while self.waiting and self.running:
+        while self.policy.preempts_for_waiting and self.waiting and self.running:
             req = self.waiting.peek()
             if self._has_room(req, budget):
                 return

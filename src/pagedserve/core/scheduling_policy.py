@@ -26,6 +26,7 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 
 class FCFSPolicy:
     name = "fcfs"
+    preempts_for_waiting = False
 
     def queue_key(self, req: Request, tag: int) -> int:
         return tag
@@ -43,6 +44,7 @@ class FCFSPolicy:
 
 class PriorityPolicy:
     name = "priority"
+    preempts_for_waiting = True
 
     def __init__(self, aging_steps: int) -> None:
         self.aging_steps = aging_steps
