@@ -7,7 +7,9 @@ import time
 
 import pytest
 
-from pagedserve.engine.async_engine import AsyncLLMEngine, EngineClosedError, EngineError
+from pagedserve.engine.async_engine import AsyncLLMEngine
+from pagedserve.engine.processor import ChatPrompt
+from pagedserve.messages import EngineClosedError, EngineError
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams
 from tests.server.fake_engine import PROMPT, TOO_LONG, FakeCore
 
@@ -254,7 +256,7 @@ def test_a_huge_prompt_is_refused_before_tokenizing(fake, monkeypatch):
         with pytest.raises(ValueError, match="characters"):
             await async_engine.add_request("huge", huge, SamplingParams(max_tokens=2))
         with pytest.raises(ValueError, match="characters"):
-            await async_engine.add_request("huge-chat", lambda p: p.chat_prompt([{"role": "user", "content": huge}]),
+            await async_engine.add_request("huge-chat", ChatPrompt([{"role": "user", "content": huge}]),
                                            SamplingParams(max_tokens=2))
         return [o async for o in async_engine.generate(PROMPT, SamplingParams(max_tokens=2), "ok")]
 

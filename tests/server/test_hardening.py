@@ -76,7 +76,7 @@ def test_health_follows_the_tokenizer_thread(fake):
     async def main():
         transport = httpx.ASGITransport(app)
         async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=10) as client:
-            stuck_job = asyncio.ensure_future(async_engine.run_processor(lambda proc: gate.wait(10)))
+            stuck_job = asyncio.ensure_future(async_engine._on_tokenizer_thread(lambda proc: gate.wait(10)))
             await asyncio.sleep(0.3)
             stuck = await client.get("/health")
             gate.set()

@@ -10,31 +10,9 @@ from __future__ import annotations
 import json
 import math
 import random
-from dataclasses import dataclass
 
-WORDS = (
-    "time year people way day man thing woman life child world school state family student group country "
-    "problem hand part place case week company system program question work government number night point "
-    "home water room mother area money story fact month lot right study book eye job word business issue side "
-    "kind head house service friend father power hour game line end member law car city name team minute idea "
-    "kid body back parent face others level office door health person art war history party result change "
-    "morning reason research girl guy moment air teacher force education food river green blue red light dark "
-    "small large old new good great little long high simple open short clear early late young strong"
-).split()
-# ShareGPT replies carry text, not token counts; ~4 characters per token is the usual English average.
-CHARS_PER_TOKEN = 4
-
-
-class DatasetError(ValueError):
-    pass
-
-
-@dataclass(frozen=True, slots=True)
-class BenchRequest:
-    prompt: str
-    prompt_len: int   # estimated prompt tokens (words); the server's usage count replaces it when sent
-    output_len: int   # max_tokens sent with the request
-
+from pagedserve.bench import workloads
+from pagedserve.bench.words import CHARS_PER_TOKEN, WORDS, BenchRequest, DatasetError, random_words  # noqa: F401
 
 def parse_range(text: str) -> tuple[int, int]:
     # "128" -> (128, 128); "64-256" or "64:256" -> (64, 256), both ends inclusive.
@@ -46,10 +24,6 @@ def parse_range(text: str) -> tuple[int, int]:
     if lo is None or hi is None or lo < 0 or hi < lo:
         raise ValueError(f"expected a length N or a range LO-HI with 0 <= LO <= HI, got {text!r}")
     return lo, hi
-
-
-def random_words(rng: random.Random, n: int) -> str:
-    return " ".join(rng.choice(WORDS) for _ in range(n))
 
 
 def random_requests(num_prompts: int, input_len: tuple[int, int], output_len: tuple[int, int],
@@ -148,8 +122,6 @@ def load_dataset(name: str, num_prompts: int | None, input_len: tuple[int, int],
                  variant: int = 0, num_prefixes: int = 10, num_turns: int = 1) -> list[BenchRequest]:
     if name == "random":
         return random_requests(num_prompts or 100, input_len, output_len, shared_prefix_len, seed, variant)
-    from pagedserve.bench import workloads
-
     prefix_len = shared_prefix_len or workloads.DEFAULT_PREFIX_LEN
     if name == "prefix_repetition":
         return workloads.prefix_repetition(num_prompts or 100, prefix_len, input_len, output_len, num_prefixes,

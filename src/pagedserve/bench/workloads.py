@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import random
 
-from pagedserve.bench.dataset import BenchRequest, DatasetError, random_words
+from pagedserve.bench.words import BenchRequest, DatasetError, random_words
 
 WORKLOADS = ("prefix_repetition", "generated-shared-prefix")
 DEFAULT_PREFIX_LEN = 256

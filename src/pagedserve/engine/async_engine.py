@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import os
 import queue
 import threading
 import time
@@ -28,18 +27,18 @@ from pagedserve.core.request import RequestStatus
 from pagedserve.core.scheduler_output import SchedulerStats
 from pagedserve.engine.output_processor import OutputProcessor, ProcessedOutputs
 from pagedserve.malloc import release_free_memory
+from pagedserve.niceness import yield_cpu_to_the_engine
 from pagedserve.metrics.stats import SpecDecodingStats
 from pagedserve.engine.output_stream import OutputStream
 from pagedserve.messages import EngineClosedError, EngineDeadError, EngineError, RequestConstraintError
-from pagedserve.engine.processor import Processor, PromptInput
+from pagedserve.core.kv_snapshot import KVState, capture_kv_state
+from pagedserve.engine.processor import ChatPrompt, Processor, PromptInput
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-# A callable prompt is rendered by the Processor on the tokenizer thread (chat templates).
-Prompt = PromptInput | Callable[[Processor], PromptInput]
-__all__ = ["AsyncLLMEngine", "EngineClosedError", "EngineError", "EngineSnapshot", "OutputStream"]
+__all__ = ["AsyncLLMEngine", "EngineSnapshot", "OutputStream"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,24 +53,12 @@ class EngineSnapshot:
     spec: SpecDecodingStats | None = None  # a copy; None when speculative decoding is off
 
 
-# Tokenizer work yields the CPU to the engine's threads: on a machine with as many cores as OpenMP threads, a
-# busy tokenizer thread would otherwise stall every parallel region of every step (a burst of 200 long
-# /tokenize calls made decode 4x slower); at this niceness it runs on the cycles the engine leaves idle.
-TOKENIZER_NICENESS = 19
-
-# ... which starves it while steps run back to back: a burst of requests (a wave of 8 chat turns over a 1,000-token
+# Tokenizer work runs at a low priority (niceness.py), which starves it while steps run back to back: a burst of requests (a wave of 8 chat turns over a 1,000-token
 # system prompt, ~5 ms of tokenizing each) took up to 2 s to reach the engine, one or two per step. So before a
 # step the engine waits for requests still being tokenized (not for grammars compiling), sleeping so that the
 # tokenizer thread gets the CPU: for up to ADMISSION_WAIT_S when it was idle, and otherwise at most as long as
 # its last step took (the running requests then wait at most one step's time). They join that step together.
 ADMISSION_WAIT_S = 0.05
-
-
-def _yield_cpu_to_the_engine() -> None:
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), TOKENIZER_NICENESS)
-    except (AttributeError, OSError):  # not Linux, or not allowed: run at normal priority
-        pass
 
 
 class AsyncLLMEngine:
@@ -96,7 +83,7 @@ class AsyncLLMEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._streams: dict[str, OutputStream] = {}  # event loop only
         self._tokenizer_pool = concurrent.futures.ThreadPoolExecutor(
-            1, thread_name_prefix="pagedserve-tokenizer", initializer=_yield_cpu_to_the_engine)
+            1, thread_name_prefix="pagedserve-tokenizer", initializer=yield_cpu_to_the_engine)
         self.snapshot = EngineSnapshot(None, 0, 0, {}, 0)
         self._thread = threading.Thread(target=self._run, name="pagedserve-engine", daemon=True)
         if start:
@@ -167,8 +154,45 @@ class AsyncLLMEngine:
         # Called on the engine thread with each finished sequence's RequestStats.
         self._submit(lambda: self.core.stats.on_finished.append(fn))
 
-    async def call(self, fn: Callable[[Any], T]) -> T:
-        """Run fn(core) on the engine thread between steps and return its result (or raise its error)."""
+    async def kv_snapshot(self) -> tuple[KVState, dict[str, Any]]:
+        """The KV pool's state (core/kv_snapshot.py) and the engine's counters, taken between steps."""
+        def capture(core: Any) -> tuple[KVState, dict[str, Any]]:
+            stats = core.stats
+            return capture_kv_state(core.scheduler), {
+                "time": time.time(), "num_steps": stats.num_steps,
+                "prompt_tokens_total": stats.num_prompt_tokens_total,
+                "generation_tokens_total": stats.num_generation_tokens_total}
+
+        return await self._on_engine_thread(capture)
+
+    async def render_chat(self, chat: ChatPrompt) -> dict[str, Any]:
+        """{"prompt": text, "prompt_token_ids": ids} (and the cache salt) of a conversation, rendered and checked."""
+        return await self._on_tokenizer_thread(lambda proc: proc.render_chat(chat))
+
+    async def tokenize(self, prompts: Sequence[PromptInput]) -> list[tuple[str | None, list[int]]]:
+        """(text, token ids) of each prompt, each checked and tokenized once (text None for token ids)."""
+        return await self._on_tokenizer_thread(lambda proc: [proc.tokenize(p) for p in prompts])
+
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """The token ids of a text (its length checked first), as /tokenize reports them."""
+        def run(proc: Processor) -> list[int]:
+            proc.check_text_length(text)
+            return list(proc.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+        return await self._on_tokenizer_thread(run)
+
+    async def detokenize(self, token_ids: Sequence[int]) -> str:
+        """The text of token ids; ValueError for an id outside the vocabulary."""
+        def run(proc: Processor) -> str:
+            bad = [t for t in token_ids if not 0 <= t < proc.vocab_size]
+            if bad:
+                raise ValueError(f"token ids must be in [0, {proc.vocab_size}), got {bad[:5]}")
+            return proc.tokenizer.decode(token_ids)
+
+        return await self._on_tokenizer_thread(run)
+
+    async def _on_engine_thread(self, fn: Callable[[Any], T]) -> T:
+        # Runs fn(core) on the engine thread between steps and returns its result (or raises its error).
         fut: concurrent.futures.Future = concurrent.futures.Future()
 
         def command() -> None:
@@ -182,8 +206,8 @@ class AsyncLLMEngine:
         self._submit(command)
         return await asyncio.wrap_future(fut)
 
-    async def run_processor(self, fn: Callable[[Processor], T]) -> T:
-        """Run fn(processor) on the tokenizer thread: tokenize, render templates, decode."""
+    async def _on_tokenizer_thread(self, fn: Callable[[Processor], T]) -> T:
+        # Runs fn(processor) on the tokenizer thread: tokenize, render templates, decode.
         def job(processor: Processor) -> T:
             self._tokenizing_since = time.monotonic()
             try:
@@ -201,7 +225,7 @@ class AsyncLLMEngine:
             self._streams.pop(rid, None)
         self._finish_in_core(self.output_processor.abort_requests(ids), RequestStatus.FINISHED_ABORTED)
 
-    async def add_requests(self, requests: Sequence[tuple[str, Prompt, SamplingParams]],
+    async def add_requests(self, requests: Sequence[tuple[str, PromptInput, SamplingParams]],
                            priority: int = 0) -> OutputStream:
         """Add all requests or none; a ValueError from validation (prompt too long, ...) reaches the caller.
 
@@ -232,16 +256,15 @@ class AsyncLLMEngine:
 
         return end
 
-    async def _add_requests(self, requests: Sequence[tuple[str, Prompt, SamplingParams]],
+    async def _add_requests(self, requests: Sequence[tuple[str, PromptInput, SamplingParams]],
                             admitted: Callable[[], None], priority: int) -> OutputStream:
         client_id = requests[0][0] if requests else None
 
         def process(proc: Processor) -> list:
-            return [proc.process(rid, prompt(proc) if callable(prompt) else prompt, params, priority=priority,
-                                 client_request_id=client_id)
+            return [proc.process(rid, prompt, params, priority=priority, client_request_id=client_id)
                     for rid, prompt, params in requests]
 
-        processed = await self.run_processor(process)
+        processed = await self._on_tokenizer_thread(process)
         if any(p.grammar_future is not None for p in processed):
             # Grammars compile on their own threads; waiting here (not on the tokenizer thread) holds up
             # nobody else's request, nor the engine (which waits only for tokenizing: a compile may take seconds).
@@ -265,7 +288,7 @@ class AsyncLLMEngine:
                 admitted()
                 core.add_requests(core_reqs)
 
-            await self.call(add)
+            await self._on_engine_thread(add)
         except BaseException:
             # Not added (validation in the core), or the caller went away: forget them here and in the core.
             self.abort(ids)
@@ -273,11 +296,11 @@ class AsyncLLMEngine:
             raise
         return stream
 
-    async def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
+    async def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams,
                           priority: int = 0) -> OutputStream:
         return await self.add_requests([(request_id, prompt, params)], priority)
 
-    async def generate(self, prompt: Prompt, params: SamplingParams, request_id: str):
+    async def generate(self, prompt: PromptInput, params: SamplingParams, request_id: str):
         stream = await self.add_request(request_id, prompt, params)
         try:
             async for out in stream:

@@ -22,8 +22,20 @@ from pagedserve.structured_output.backend import GrammarCompileService, check_fi
 EMBEDDED_CHAT_TEMPLATE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "chat_templates",
                                       "smollm2_tool_use.jinja")
 
-# A prompt is text, a list of token ids, or vLLM's dict forms {"prompt": ...} / {"prompt_token_ids": ...}.
-PromptInput = str | list[int] | dict[str, Any]
+@dataclass(frozen=True, slots=True)
+class ChatPrompt:
+    # A conversation, rendered with the chat template on the tokenizer thread (Processor.render_chat); the
+    # same steps as LLM.chat, so a greedy chat request served answers exactly as offline.
+    messages: list[dict[str, Any]]
+    add_generation_prompt: bool = True
+    chat_template: str | None = None  # None: the model's (or --chat-template)
+    template_kwargs: dict[str, Any] | None = None  # tools, documents, chat_template_kwargs
+    cache_salt: str | None = None
+
+
+# A prompt is text, a list of token ids, vLLM's dict forms {"prompt": ...} / {"prompt_token_ids": ...}, or a
+# ChatPrompt.
+PromptInput = str | list[int] | dict[str, Any] | ChatPrompt
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +85,8 @@ class Processor:
 
     def tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
         text: str | None = None
+        if isinstance(prompt, ChatPrompt):
+            prompt = self.render_chat(prompt)
         if isinstance(prompt, dict):
             text = prompt.get("prompt")
             if "prompt_token_ids" in prompt:
@@ -147,6 +161,8 @@ class Processor:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         self.check_priority(priority)
+        if isinstance(prompt, ChatPrompt):
+            prompt = self.render_chat(prompt)
         cache_salt = cache_salt_of(prompt)
         prompt_text, prompt_ids = self.tokenize(prompt)
         max_tokens = self.resolve_max_tokens(prompt_ids, params)
@@ -194,6 +210,11 @@ class Processor:
             if isinstance(exc, ValueError):
                 raise
             raise ValueError(f"the chat template failed on these messages: {exc}") from exc
+
+    def render_chat(self, chat: ChatPrompt) -> dict[str, Any]:
+        prompt = self.chat_prompt(chat.messages, chat.chat_template, chat.add_generation_prompt,
+                                  **(chat.template_kwargs or {}))
+        return prompt if chat.cache_salt is None else {**prompt, "cache_salt": chat.cache_salt}
 
     def chat_prompt(self, messages: list[dict[str, Any]], chat_template: str | None = None,
                     add_generation_prompt: bool = True, **kwargs: Any) -> dict[str, Any]:

@@ -15,10 +15,12 @@ from jinja2 import TemplateError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedserve import __version__
-from pagedserve.engine.async_engine import AsyncLLMEngine, EngineClosedError, EngineError
+from pagedserve.engine.async_engine import AsyncLLMEngine
+from pagedserve.engine.processor import ChatPrompt
+from pagedserve.messages import EngineClosedError, EngineError
 from pagedserve.metrics.prometheus import PrometheusMetrics
-from pagedserve.server.cli_args import (HEALTH_MAX_STALL_S, MAX_REQUEST_BODY_SIZE, MAX_SAMPLES_PER_REQUEST,
-                                        MAX_SEQUENCES_PER_REQUEST, SHUTDOWN_TIMEOUT_S)
+from pagedserve.server.limits import (HEALTH_MAX_STALL_S, MAX_REQUEST_BODY_SIZE, MAX_SAMPLES_PER_REQUEST,
+                                     MAX_SEQUENCES_PER_REQUEST, SHUTDOWN_TIMEOUT_S)
 from pagedserve.server.context import RequestLimits, ServerContext
 from pagedserve.server.debug import register_debug_routes
 from pagedserve.server.errors import OpenAIError
@@ -156,29 +158,18 @@ def build_app(engine: AsyncLLMEngine, args: Any) -> FastAPI:
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> Response:
         ctx.check_model(req.model)
-
-        def run(proc: Any) -> list[int]:
-            if req.messages is not None:
-                prompt = proc.chat_prompt([m.to_template_dict() for m in req.messages], None,
-                                          req.add_generation_prompt)
-                return prompt["prompt_token_ids"]
-            proc.check_text_length(req.prompt)
-            return proc.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
-
-        ids = list(await engine.run_processor(run))
+        if req.messages is not None:
+            rendered = await engine.render_chat(ChatPrompt([m.to_template_dict() for m in req.messages],
+                                                           req.add_generation_prompt))
+            ids = rendered["prompt_token_ids"]
+        else:
+            ids = await engine.encode(req.prompt, req.add_special_tokens)
         return json_response(TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len, tokens=ids))
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest) -> Response:
         ctx.check_model(req.model)
-
-        def run(proc: Any) -> str:
-            bad = [t for t in req.tokens if not 0 <= t < proc.vocab_size]
-            if bad:
-                raise ValueError(f"token ids must be in [0, {proc.vocab_size}), got {bad[:5]}")
-            return proc.tokenizer.decode(req.tokens)
-
-        return json_response(DetokenizeResponse(prompt=await engine.run_processor(run)))
+        return json_response(DetokenizeResponse(prompt=await engine.detokenize(req.tokens)))
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

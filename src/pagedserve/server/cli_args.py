@@ -6,25 +6,14 @@ import logging
 import signal
 from typing import Callable
 
+from pagedserve.server.limits import (HEALTH_MAX_STALL_S, MAX_REQUEST_BODY_SIZE, MAX_SAMPLES_PER_REQUEST,
+                                      MAX_SEQUENCES_PER_REQUEST, SHUTDOWN_TIMEOUT_S)
+
 logger = logging.getLogger("pagedserve.serve")
 
 # The formats server/tool_parsers.py and server/reasoning.py read (kept here so --help needs no server import).
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "phi4_mini_json", "pythonic")
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
-
-# Server flag defaults (build_app falls back to them for args that lack the flags).
-MAX_SAMPLES_PER_REQUEST = 64
-# Prompts x samples per request: each sequence is queued, scheduled and decoded, so a 7 KB body of 1,000
-# one-token prompts x n=64 would queue 64,000 of them ahead of everyone else.
-MAX_SEQUENCES_PER_REQUEST = 1024
-MAX_REQUEST_BODY_SIZE = 16 << 20
-# A decode step takes milliseconds and a full prefill chunk well under a second on CPU; 30 s in one step is
-# a stuck engine.
-HEALTH_MAX_STALL_S = 30.0
-# On SIGINT/SIGTERM open responses get this long to finish before the engine stops (and ends them with an
-# error). Kubernetes users raise it to their longest stream (deploy/helm sets it below the pod's grace period).
-SHUTDOWN_TIMEOUT_S = 5.0
-
 
 class _ShutdownSignal(Exception):
     pass

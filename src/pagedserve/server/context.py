@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from pagedserve.engine.async_engine import AsyncLLMEngine
 from pagedserve.outputs import RequestOutput
-from pagedserve.server.cli_args import MAX_SAMPLES_PER_REQUEST, MAX_SEQUENCES_PER_REQUEST
+from pagedserve.server.limits import MAX_SAMPLES_PER_REQUEST, MAX_SEQUENCES_PER_REQUEST
 from pagedserve.server.errors import OpenAIError
 from pagedserve.server.protocol import UsageInfo
 

@@ -25,7 +25,7 @@ from urllib.parse import parse_qs
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 
-from pagedserve.core.kv_snapshot import KVState, capture_kv_state, kv_snapshot_json
+from pagedserve.core.kv_snapshot import kv_snapshot_json
 from pagedserve.metrics.stats import RequestStats
 from pagedserve.server.middleware import (DASHBOARD_COOKIE, DASHBOARD_LOGIN_PATH, DASHBOARD_SESSION_S,
                                          make_session_token)
@@ -67,14 +67,6 @@ def percentile(sorted_values: list[float], q: float) -> float | None:
     return sorted_values[max(0, math.ceil(q * len(sorted_values)) - 1)]
 
 
-def _capture(core: Any) -> tuple[KVState, dict[str, Any]]:  # engine thread
-    stats = core.stats
-    return capture_kv_state(core.scheduler), {
-        "time": time.time(), "num_steps": stats.num_steps,
-        "prompt_tokens_total": stats.num_prompt_tokens_total,
-        "generation_tokens_total": stats.num_generation_tokens_total}
-
-
 class KVSnapshotSource:
     """The latest /debug/kv body, renewed on demand at most once per interval; concurrent polls share it."""
 
@@ -91,7 +83,7 @@ class KVSnapshotSource:
     async def get(self) -> bytes:
         async with self._lock:
             if time.monotonic() - self._taken_at >= self.interval_s:
-                state, engine_stats = await self.engine.call(_capture)
+                state, engine_stats = await self.engine.kv_snapshot()
                 self._taken_at = now = time.monotonic()
                 self.num_snapshots += 1
                 engine_stats.update(self.ttft.summary(now))

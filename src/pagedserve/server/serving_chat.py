@@ -8,6 +8,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from pagedserve.engine.async_engine import OutputStream
+from pagedserve.engine.processor import ChatPrompt
 from pagedserve.outputs import Logprob, RequestOutput
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams
 from pagedserve.server.context import ServerContext, random_id, usage_of
@@ -20,17 +21,6 @@ from pagedserve.server.protocol import (ChatChoice, ChatChoiceLogprobs, ChatComp
 from pagedserve.server.streaming import SSE_DONE, SSEResponse, json_response, sse, unless_disconnected
 from pagedserve.server.tool_calls import tool_grammar
 from pagedserve.server.tool_stream import ChoiceStreamer, final_message
-
-
-def chat_prompt(messages: list[dict[str, Any]], add_generation_prompt: bool, cache_salt: str | None = None,
-                template_kwargs: dict[str, Any] | None = None):
-    # Rendered by the Processor on the tokenizer thread (see AsyncLLMEngine.add_requests). Same steps as
-    # LLM.chat, so a greedy chat request here answers exactly as offline.
-    def render(processor: Any) -> dict[str, Any]:
-        prompt = processor.chat_prompt(messages, None, add_generation_prompt, **(template_kwargs or {}))
-        return prompt if cache_salt is None else {**prompt, "cache_salt": cache_salt}
-
-    return render
 
 
 def chat_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]], num_top: int) -> ChatChoiceLogprobs:
@@ -77,8 +67,8 @@ class OpenAIServingChat:
         if req.documents:
             template_kwargs["documents"] = req.documents
         engine = self.ctx.engine
-        prompt = await engine.run_processor(
-            chat_prompt(messages, req.add_generation_prompt, req.cache_salt, template_kwargs))
+        prompt = await engine.render_chat(ChatPrompt(messages, req.add_generation_prompt,
+                                                     template_kwargs=template_kwargs, cache_salt=req.cache_salt))
         self.ctx.limits.check_tokens([len(prompt["prompt_token_ids"])], max_tokens, req.n, engine.max_model_len)
         return params, prompt
 

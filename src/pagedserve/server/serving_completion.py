@@ -98,17 +98,11 @@ class OpenAIServingCompletion:
         params.output_kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
         engine = self.ctx.engine
 
-        def tokenize(proc: Any) -> list[tuple[str | None, list[int], str]]:
-            # Each prompt checked and tokenized once, on the tokenizer thread; token-id prompts are echoed as
-            # their text, decoded only once their ids are known to be in the vocabulary.
-            out = []
-            for p in prompts:
-                text, ids = proc.tokenize(p)
-                echo = "" if not req.echo else text if text is not None else proc.tokenizer.decode(ids)
-                out.append((text, ids, echo))
-            return out
-
-        tokenized = await engine.run_processor(tokenize)
+        tokenized = []
+        for text, ids in await engine.tokenize(prompts):
+            # Token-id prompts are echoed as their text, decoded once their ids are known to be in the vocabulary.
+            echo = "" if not req.echo else text if text is not None else await engine.detokenize(ids)
+            tokenized.append((text, ids, echo))
         limits.check_tokens([len(ids) for _, ids, _ in tokenized], req.max_tokens, num_samples,
                             engine.max_model_len)
         return params, tokenized

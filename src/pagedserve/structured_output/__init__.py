@@ -1,5 +1,5 @@
-"""Structured outputs: JSON schema, regex, choice and EBNF constraints compiled by xgrammar."""
-from pagedserve.structured_output.backend import GrammarCompileService, GrammarSpec, grammar_spec
-from pagedserve.structured_output.manager import StructuredOutputManager
+"""Structured outputs: JSON schema, regex, choice and EBNF constraints compiled by xgrammar.
 
-__all__ = ["GrammarCompileService", "GrammarSpec", "StructuredOutputManager", "grammar_spec"]
+backend.py (torch-free: specs, compiles off the engine thread) is the front-end's; manager.py (matchers and
+their torch bitmask) is the engine's. Import the one you need: this package imports neither.
+"""

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedserve.config import StructuredOutputsConfig
+from pagedserve.niceness import yield_cpu_to_the_engine
 from pagedserve.sampling_params import SamplingParams, StructuredOutputsParams
 from pagedserve.structured_output.schema import check_schema, load_schema
 
@@ -165,7 +166,7 @@ class GrammarCompileService:
             return self._compiler
 
     def _run(self) -> None:
-        _low_priority()
+        yield_cpu_to_the_engine()  # compiles run on the cycles the engine leaves, like the tokenizer thread
         while True:
             with self._lock:
                 while not self._queue and not self._closed:
@@ -244,10 +245,3 @@ def check_first_token(grammar: Any, params: SamplingParams) -> None:
         raise ValueError(f"min_tokens ({params.min_tokens}) is more tokens than any of the choices can take")
     if params.allowed_token_ids is not None and not allowed[params.allowed_token_ids].any():
         raise ValueError("none of allowed_token_ids can begin text that the structured output constraint accepts")
-
-
-def _low_priority() -> None:
-    # Compiles run on the cycles the engine leaves, like the tokenizer thread.
-    from pagedserve.engine.async_engine import _yield_cpu_to_the_engine
-
-    _yield_cpu_to_the_engine()
