@@ -1,0 +1,145 @@
+"""Priority under a saturating low-priority load: urgent requests' TTFT against an idle server's (issue 28).
+
+    python benchmarks/priority.py --out benchmarks/results/priority.json
+
+Starts `pagedserve serve --scheduling-policy priority` and a default (fcfs) server on free ports, with the same
+engine flags, and on each in turn measures:
+
+1. idle: --num-probes urgent requests (priority 0), one every --probe-gap seconds, alone: the reference TTFT;
+2. load alone: --num-low long requests (priority --low-priority) sent at once, more than --max-num-seqs, so
+   the batch and the queue are full: their output tokens/s;
+3. load + probes: the same load, and the same probes once it runs: the probes' TTFT and the load's tokens/s.
+
+Targets (issue 28): under the priority policy the probes' TTFT p99 in (3) within 2x of (1), and the load's
+throughput lower in (3) than in (2) by no more than the probes' own work (their tokens over the run). The fcfs
+server shows what the probes wait without priorities (behind the whole queue). Timings need a quiet machine.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import machine_info  # noqa: E402
+from serving import Server, free_port  # noqa: E402
+
+from pagedserve.bench.client import Endpoint, send_request  # noqa: E402
+from pagedserve.bench.dataset import random_requests  # noqa: E402
+from pagedserve.bench.metrics import percentiles  # noqa: E402
+from pagedserve.bench.report import write_json  # noqa: E402
+from pagedserve.bench.runner import make_client  # noqa: E402
+
+
+async def probes(ep: Endpoint, args, variant: int) -> list:
+    reqs = random_requests(args.num_probes, (args.probe_input_len,) * 2, (args.probe_output_len,) * 2,
+                           seed=1, variant=variant)
+    sampling = {"temperature": 0.0, "ignore_eos": True, "priority": 0}
+    results = []
+    async with make_client(None, 600.0) as client:
+        for req in reqs:
+            results.append(await send_request(client, ep, req, sampling))
+            await asyncio.sleep(args.probe_gap)
+    return results
+
+
+async def low_load(ep: Endpoint, args, variant: int, priority: int) -> tuple[float, int]:
+    reqs = random_requests(args.num_low, (args.low_input_len,) * 2, (args.low_output_len,) * 2, seed=2,
+                           variant=variant)
+    sampling = {"temperature": 0.0, "ignore_eos": True, **({"priority": priority} if priority else {})}
+    start = time.perf_counter()
+    async with make_client(None, 3600.0) as client:
+        results = await asyncio.gather(*(send_request(client, ep, r, sampling) for r in reqs))
+    failed = [r.error for r in results if not r.success]
+    if failed:
+        raise RuntimeError(f"{len(failed)} low-priority requests failed: {failed[0]}")
+    return time.perf_counter() - start, sum(r.output_tokens for r in results)
+
+
+def summary(results: list) -> dict:
+    ttft = percentiles([r.ttft for r in results if r.success and r.ttft is not None])
+    return {"num_ok": sum(r.success for r in results), "ttft_p50_s": ttft and ttft.p50,
+            "ttft_p99_s": ttft and ttft.p99, "output_tokens": sum(r.output_tokens for r in results)}
+
+
+async def measure(ep: Endpoint, args, low_priority: int) -> dict:
+    idle = summary(await probes(ep, args, variant=1))
+    alone_s, alone_tokens = await low_load(ep, args, 1, low_priority)
+
+    async def probes_after_start() -> list:
+        await asyncio.sleep(args.load_head_start)
+        return await probes(ep, args, variant=2)
+
+    (loaded_s, loaded_tokens), probe_results = await asyncio.gather(low_load(ep, args, 2, low_priority),
+                                                                    probes_after_start())
+    loaded = summary(probe_results)
+    out = {"idle": idle, "loaded": loaded,
+           "low_alone": {"seconds": alone_s, "output_tokens_per_s": alone_tokens / alone_s},
+           "low_with_probes": {"seconds": loaded_s, "output_tokens_per_s": loaded_tokens / loaded_s}}
+    if idle["ttft_p99_s"] and loaded["ttft_p99_s"]:
+        out["ttft_p99_loaded_over_idle"] = loaded["ttft_p99_s"] / idle["ttft_p99_s"]
+    # The probes' share of the loaded run's output, against the load's throughput drop.
+    out["probe_token_share"] = loaded["output_tokens"] / (loaded["output_tokens"] + loaded_tokens)
+    out["low_throughput_drop"] = 1 - (loaded_tokens / loaded_s) / (alone_tokens / alone_s)
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--num-low", type=int, default=32)
+    p.add_argument("--low-input-len", type=int, default=256)
+    p.add_argument("--low-output-len", type=int, default=256)
+    p.add_argument("--low-priority", type=int, default=10)
+    p.add_argument("--num-probes", type=int, default=8)
+    p.add_argument("--probe-input-len", type=int, default=64)
+    p.add_argument("--probe-output-len", type=int, default=16)
+    p.add_argument("--probe-gap", type=float, default=2.0, metavar="S")
+    p.add_argument("--load-head-start", type=float, default=5.0, metavar="S",
+                   help="seconds between sending the load and the first probe")
+    p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--num-threads", type=int, default=2)
+    p.add_argument("--kv-cache-memory", type=int, default=512 << 20, metavar="BYTES")
+    p.add_argument("--servers", nargs="+", choices=["priority", "fcfs"], default=["priority", "fcfs"])
+    p.add_argument("--out", default=None, metavar="FILE.json")
+    args = p.parse_args()
+    engine = [sys.executable, "-m", "pagedserve.cli", "serve", "--num-threads", str(args.num_threads),
+              "--max-num-seqs", str(args.max_num_seqs), "--kv-cache-memory", str(args.kv_cache_memory),
+              "--uvicorn-log-level", "warning"]
+    report = {"machine": machine_info(), "config": vars(args), "servers": {}}
+    for name in args.servers:
+        port = free_port()
+        policy = ["--scheduling-policy", "priority"] if name == "priority" else []
+        server = Server(name, [*engine, *policy, "--port", str(port)], port)
+        try:
+            ep = Endpoint(f"{server.url}/v1", asyncio.run(warm_up(f"{server.url}/v1")), name)
+            result = asyncio.run(measure(ep, args, args.low_priority if name == "priority" else 0))
+        finally:
+            server.stop()
+        report["servers"][name] = {"command": " ".join(server.cmd[1:]), **result}
+        print(f"{name}: probes TTFT p99 idle {result['idle']['ttft_p99_s']:.3f} s, under load "
+              f"{result['loaded']['ttft_p99_s']:.3f} s ({result.get('ttft_p99_loaded_over_idle', 0):.2f}x); "
+              f"load {result['low_alone']['output_tokens_per_s']:.1f} -> "
+              f"{result['low_with_probes']['output_tokens_per_s']:.1f} tok/s "
+              f"(drop {result['low_throughput_drop']:.1%}, probes' share {result['probe_token_share']:.1%})",
+              flush=True)
+        if args.out:
+            write_json(args.out, report)
+    report["load_average_after"] = os.getloadavg()
+    if args.out:
+        write_json(args.out, report)
+    return 0
+
+
+async def warm_up(base_url: str) -> str:
+    # The served model's name, and first-call costs paid outside every measurement.
+    async with make_client(None, 600.0) as client:
+        model = (await client.get(f"{base_url}/models")).json()["data"][0]["id"]
+        for req in random_requests(2, (16, 16), (4, 4), seed=3):
+            await send_request(client, Endpoint(base_url, model, "warmup"), req, {"temperature": 0.0})
+    return model
+
+
+if __name__ == "__main__":
+    sys.exit(main())
