@@ -1,5 +1,6 @@
 """`priority` over HTTP: a 400 unless --scheduling-policy priority; with it, an urgent request preempts the
-running one and finishes before those queued ahead of it; latency series per priority class."""
+running one and finishes before those queued ahead of it; latency series per priority class. Fairness between
+client requests: a one-prompt request is not held behind a many-prompt one."""
 from __future__ import annotations
 
 import concurrent.futures
@@ -41,7 +42,7 @@ def test_priority_without_the_policy_is_400(server, path, body):
 def test_urgent_request_overtakes_the_queue(priority_server):
     url = priority_server.url
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        lows = [pool.submit(complete, priority_server, f"low {i}", 120, 5) for i in range(3)]
+        lows = [pool.submit(complete, priority_server, f"low {i}", 64, 5) for i in range(3)]
         deadline = time.monotonic() + 120
         while metric(scrape(url), "pagedserve:num_requests_waiting") < 2:  # one runs, two wait
             assert time.monotonic() < deadline
@@ -58,3 +59,24 @@ def test_urgent_request_overtakes_the_queue(priority_server):
     assert httpx.post(f"{url}/v1/chat/completions", json=chat, timeout=60).status_code == 200
     # Labels are clamped to -8..8.
     assert metric(scrape(url), "pagedserve:e2e_request_latency_by_priority_seconds_count", priority="8") == 1
+
+
+def test_a_many_prompt_request_does_not_hold_a_later_one(priority_server):
+    # One slot. 12 prompts in one request, then one prompt: it is admitted between the big request's prompts
+    # (fair between client requests, whatever the policy), so it is done long before the big one.
+    url = priority_server.url
+
+    def big() -> float:
+        body = {"prompt": [f"item {i}" for i in range(12)], "max_tokens": 8, "ignore_eos": True}
+        assert httpx.post(f"{url}/v1/completions", json=body, timeout=300).status_code == 200
+        return time.monotonic()
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        many = pool.submit(big)
+        deadline = time.monotonic() + 120
+        while metric(scrape(url), "pagedserve:num_requests_waiting") < 8:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        single = pool.submit(complete, priority_server, "alone", 8, 0)
+        assert single.result() < many.result()
+        assert metric(scrape(url), "pagedserve:num_requests_waiting") == 0
