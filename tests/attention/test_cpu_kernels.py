@@ -72,3 +72,32 @@ def test_kernel_matches_reference(make_backend, head_dim: int, block_size: int) 
 def test_auto_backend_picks_kernel_on_cpu() -> None:
     assert get_attention_backend("auto", "cpu").name == "cpu"
     assert get_attention_backend("reference").name == "reference"
+
+
+@pytest.mark.parametrize("window,softcap", [(3, None), (6, 2.0), (None, 2.0), (21, None)])
+@pytest.mark.parametrize("head_dim,cache_dtype", [(8, torch.float32), (64, torch.bfloat16)])
+def test_windowed_kernel_matches_reference(make_backend, window, softcap, head_dim: int, cache_dtype) -> None:
+    # Sliding windows (1 block, across blocks, wider than a tile) and Gemma 2's score cap, under chunked
+    # prefill and decode with shared leading blocks (which a windowed call must not share); NaN in slots no
+    # window reaches would show.
+    gen = torch.Generator().manual_seed(2)
+    seqs = [(0, 37), (60, 1), (60, 1), (64, 17), (5, 1), (30, 2)]  # (context, query); 1 and 2 share blocks
+    lens = [c + q for c, q in seqs]
+    block_size, num_heads, num_kv_heads = 4, 6, 2
+    tables = scattered_block_tables(lens, block_size, sum(-(-n // block_size) for n in lens) + 4, seed=5)
+    tables[2][:15] = tables[1][:15]
+    num_blocks = max(max(t) for t in tables) + 1
+    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(cache_dtype)
+    meta = build_attention_metadata(seqs, tables, block_size)
+    n = sum(q for _, q in seqs)
+    q = torch.randn(n, num_heads, head_dim, generator=gen)
+    k, v = (torch.randn(n, num_kv_heads, head_dim, generator=gen) for _ in range(2))
+    ref_cache = cache.clone()
+    want = ReferenceAttentionBackend(window, softcap).forward(q, k, v, ref_cache, meta, 0.3)
+    backend = make_backend(-1).with_window(window, softcap)
+    if window is not None:  # blocks 0 .. 8 of the 81-token sequence are outside every window of its chunk
+        poisoned = tables[3][:(64 - window + 1) // block_size]
+        cache[:, poisoned] = float("nan")
+    got = backend.forward(q, k, v, cache, meta, 0.3)
+    tol = 1e-5 if cache_dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)

@@ -24,6 +24,10 @@ class AttentionBackend(Protocol):
         # kv_cache: one layer's [2, num_blocks, block_size, Hkv, D]; returns [T, Hq, D].
         ...
 
+    def with_window(self, sliding_window: int | None, logit_softcap: float | None) -> AttentionBackend:
+        # The same backend for layers with a sliding window (keys p - W + 1 .. p) and/or Gemma 2's score cap.
+        ...
+
 
 BACKENDS = ("auto", "reference", "cpu")
 

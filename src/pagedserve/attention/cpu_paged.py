@@ -10,6 +10,9 @@ bf16 prefill tiles run on AMX tiles: 3-3.7x the AVX-512 tiles (benchmarks/HISTOR
 The kernel takes float32 or bfloat16 activations and reads float32, bfloat16, int8 and fp8 e4m3 caches
 directly (8-bit rows are quantized as they are written and dequantized in the kernel, with kv_quant.py's row
 layout); anything else (float16) goes to the reference backend.
+
+Sliding-window and soft-capped layers (Mistral v0.1, Gemma, Phi-3) run the same kernel with their window and
+cap (paged_attention_windowed): a tile reads only the blocks inside its rows' windows.
 """
 from __future__ import annotations
 
@@ -31,18 +34,29 @@ def kernel_supports(query_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
 class CpuPagedAttentionBackend:
     name = "cpu"
 
-    def __init__(self, ops, max_kernel_q_len: int = MAX_KERNEL_Q_LEN) -> None:
+    def __init__(self, ops, max_kernel_q_len: int = MAX_KERNEL_Q_LEN, sliding_window: int | None = None,
+                 logit_softcap: float | None = None) -> None:
         self.ops = ops
         self.max_kernel_q_len = max_kernel_q_len
-        self._reference = ReferenceAttentionBackend()
+        self.sliding_window = sliding_window
+        self.logit_softcap = logit_softcap
+        self._reference = ReferenceAttentionBackend(sliding_window, logit_softcap)
+
+    def with_window(self, sliding_window: int | None, logit_softcap: float | None) -> CpuPagedAttentionBackend:
+        return CpuPagedAttentionBackend(self.ops, self.max_kernel_q_len, sliding_window, logit_softcap)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
         if query.device.type != "cpu" or not kernel_supports(query.dtype, kv_cache.dtype):
             return self._reference.forward(query, key, value, kv_cache, meta, scale)
         limit = self.max_kernel_q_len
-        out = self.ops.paged_attention(query, key, value, kv_cache, meta.slot_mapping, meta.block_tables,
-                                       meta.seq_lens, meta.query_start_loc, scale, limit)
+        if self.sliding_window is None and self.logit_softcap is None:
+            out = self.ops.paged_attention(query, key, value, kv_cache, meta.slot_mapping, meta.block_tables,
+                                           meta.seq_lens, meta.query_start_loc, scale, limit)
+        else:
+            out = self.ops.paged_attention_windowed(
+                query, key, value, kv_cache, meta.slot_mapping, meta.block_tables, meta.seq_lens,
+                meta.query_start_loc, scale, limit, self.sliding_window or 0, self.logit_softcap or 0.0)
         if limit >= 0 and max(meta.query_lens_list) > limit:
             start = 0
             for i, q_len in enumerate(meta.query_lens_list):

@@ -67,6 +67,9 @@ class ReferenceAttentionBackend:
         # Gemma 2: scores become cap * tanh(scores / cap) before the mask and softmax.
         self.logit_softcap = logit_softcap
 
+    def with_window(self, sliding_window: int | None, logit_softcap: float | None) -> ReferenceAttentionBackend:
+        return ReferenceAttentionBackend(sliding_window, logit_softcap)
+
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
         write_kv(kv_cache, key, value, meta.slot_mapping)

@@ -2,11 +2,11 @@
 and a paged KV cache; model/family.py reads what differs from the config, model/decoder_layer.py holds the layer.
 
 Sliding-window layers (Mistral v0.1, Qwen2 with use_sliding_window, Gemma's local layers, Phi-3) attend to
-the last `sliding_window` positions (the token itself included, as in transformers) through the reference
-backend with a window mask, as do soft-capped layers (Gemma 2): the compiled CPU kernel has neither, so it
-serves only the other layers. A windowed layer reads only the blocks that hold keys inside its window
-(attention/reference.py); every block stays allocated: Gemma's global layers read every block anyway, and
-freed blocks would leave holes in the block tables and the prefix cache (docs/how_it_works.md).
+the last `sliding_window` positions (the token itself included, as in transformers), and Gemma 2's layers cap
+their scores, through their backend's windowed form (the compiled kernel's or the reference's). A windowed
+layer reads only the blocks that hold keys inside its window; every block stays allocated: Gemma's global
+layers read every block anyway, and freed blocks would leave holes in the block tables and the prefix cache
+(docs/how_it_works.md).
 
 On CPU, when every layer qualifies (plain Llama layers, GGUF block weights, the compiled attention kernel;
 layers/decoder_stack.py), forward runs all layers in one compiled call of the same ops, bit-identical to the
@@ -22,7 +22,6 @@ from torch import nn
 
 from pagedserve.attention.backend import AttentionBackend
 from pagedserve.attention.metadata import AttentionMetadata
-from pagedserve.attention.reference import ReferenceAttentionBackend
 from pagedserve.distributed.parallel_state import TensorParallelGroup
 from pagedserve.model.decoder_layer import LlamaDecoderLayer
 from pagedserve.model.family import DecoderFamily, decoder_family, head_dim_of, split_fused_weights
@@ -47,10 +46,10 @@ class LlamaModel(nn.Module):
         head_dim = head_dim_of(hf_config)
         rotaries = {t: RotaryEmbedding(hf_config, head_dim, device=device, layer_type=t)
                     for t in set(family.layer_rope)}
-        # Windowed or soft-capped layers attend through the reference backend, one per window.
+        # Windowed or soft-capped layers get the backend's windowed form, one per window.
         cap = family.attn_logit_softcap
-        backends = {w: ReferenceAttentionBackend(sliding_window=w, logit_softcap=cap)
-                    for w in set(family.layer_windows) if w is not None or cap is not None}
+        backends = {w: attn_backend.with_window(w, cap) for w in set(family.layer_windows)
+                    if w is not None or cap is not None}
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(hf_config, family, backends.get(w, attn_backend), rotaries[t], device, dtype, tp)
             for w, t in zip(family.layer_windows, family.layer_rope))

@@ -47,6 +47,8 @@ struct Tile {
   float scale;
   int64_t key_begin = 0;    // the keys walked, [key_begin, key_end): key_begin is a block's first position,
   int64_t key_end = 0;      // key_end at most pos0 + n_q (every key a row may see: causal)
+  int64_t window = 0;       // > 0: the row at position p sees keys p - window + 1 .. p only (sliding window)
+  float softcap = 0.f;      // > 0: scores become softcap * tanh(score / softcap) (Gemma 2)
   float* part = nullptr;    // when set: float32 outputs go here (o_*_stride apart) instead of out,
   float* lse = nullptr;     // and each row's log-sum-exp here (lse_tok_stride per token, 1 per head)
   int64_t lse_tok_stride = 0;
@@ -63,6 +65,11 @@ constexpr float kMinScore = -std::numeric_limits<float>::max();  // finite: buil
 inline int64_t rows_per_head(const Tile& t) { return t.n_q * t.group; }
 
 inline int64_t last_key(const Tile& t) { return t.key_end - 1; }
+
+// The first key a tile's rows may see: key_begin, or with a window its first row's first visible key.
+inline int64_t first_key(const Tile& t) {
+  return t.window > 0 ? std::max(t.key_begin, t.pos0 - t.window + 1) : t.key_begin;
+}
 
 template <typename QT>
 inline void load_queries(const Tile& t, float* q) {
@@ -162,13 +169,14 @@ inline void prefetch_rows(const Tile& t, int64_t at) {
 // weights evicted it since the previous layer read it): without requests this far ahead the kernel waits on memory
 // latency instead of streaming. The walk's first block is read on demand; the next ones are requested together.
 inline void prefetch_ahead(const Tile& t, int64_t b, int64_t last_pos) {
-  if (b * t.block_size == t.key_begin)
+  if (b == first_key(t) / t.block_size)
     for (int64_t i = 1; i < kPrefetchBlocks; ++i) prefetch_block(t, b + i, last_pos);
   prefetch_block(t, b + kPrefetchBlocks, last_pos);
 }
 
-// Portable path: plain loops the compiler vectorizes; any head_dim, any block size. q: the tile's scaled
-// query rows; o: receives its output rows (lse, when set, their log-sum-exps).
+// Portable path: plain loops the compiler vectorizes; any head_dim, any block size; the only path with
+// windows and soft-capping. q: the tile's scaled query rows; o: receives its output rows (lse, when set,
+// their log-sum-exps).
 template <typename CT>
 inline void attend_rows_generic(const Tile& t, const float* q, float* o, float* lse, std::vector<float>& scratch) {
   const int64_t hd = t.head_dim, rows = rows_per_head(t) * t.kv_heads, bs = t.block_size;
@@ -182,36 +190,39 @@ inline void attend_rows_generic(const Tile& t, const float* q, float* o, float* 
   float* v_buf = k_buf + kv_buf;
   std::fill(m, m + rows, kMinScore);
   const int64_t last_pos = last_key(t);
-  for (int64_t b = t.key_begin / bs; b <= last_pos / bs; ++b) {
+  for (int64_t b = first_key(t) / bs; b <= last_pos / bs; ++b) {
     const int64_t kp0 = b * bs, n = std::min(bs, last_pos + 1 - kp0);
     prefetch_ahead(t, b, last_pos);
     int64_t ks, vs;
     const float* kb = kv_rows<CT>(t, t.k_cache, t.table[b] * bs, n, k_buf, ks);
     const float* vb = kv_rows<CT>(t, t.v_cache, t.table[b] * bs, n, v_buf, vs);
     for (int64_t r = 0; r < rows; ++r) {
-      const int64_t limit = std::min(n, t.pos0 + (r / t.group) % t.n_q + 1 - kp0);  // visible keys [0, limit)
-      if (limit <= 0) continue;
+      const int64_t pos = t.pos0 + (r / t.group) % t.n_q;
+      const int64_t limit = std::min(n, pos + 1 - kp0);  // visible keys [lo, limit)
+      const int64_t lo = t.window > 0 ? std::max<int64_t>(0, pos - t.window + 1 - kp0) : 0;
+      if (limit <= lo) continue;
       const int64_t head_off = r / rows_per_head(t) * hd;
       float* sr = s + r * bs;
       const float* qr = q + r * hd;
       float bmax = kMinScore;
-      for (int64_t j = 0; j < limit; ++j) {
+      for (int64_t j = lo; j < limit; ++j) {
         const float* kj = kb + j * ks + head_off;
         float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
         for (int64_t d = 0; d < hd; ++d) dot += qr[d] * kj[d];
+        if (t.softcap > 0.f) dot = t.softcap * std::tanh(dot / t.softcap);
         sr[j] = dot;
         bmax = std::max(bmax, dot);
       }
       const float m_new = std::max(m[r], bmax);
       const float corr = std::exp(m[r] - m_new);  // underflows to 0 on the first block
       float sum = 0.f;
-      for (int64_t j = 0; j < limit; ++j) sum += (sr[j] = std::exp(sr[j] - m_new));
+      for (int64_t j = lo; j < limit; ++j) sum += (sr[j] = std::exp(sr[j] - m_new));
       l[r] = l[r] * corr + sum;
       m[r] = m_new;
       float* ar = acc + r * hd;
       for (int64_t d = 0; d < hd; ++d) ar[d] *= corr;
-      for (int64_t j = 0; j < limit; ++j) {
+      for (int64_t j = lo; j < limit; ++j) {
         const float* vj = vb + j * vs + head_off;
 #pragma omp simd
         for (int64_t d = 0; d < hd; ++d) ar[d] += sr[j] * vj[d];
@@ -231,7 +242,7 @@ inline void attend_rows_generic(const Tile& t, const float* q, float* o, float* 
 template <typename CT>
 inline void attend_rows(const Tile& t, const float* q, float* o, float* lse, std::vector<float>& scratch) {
 #if defined(__AVX512F__)
-  switch (t.head_dim) {
+  if (t.window == 0 && t.softcap == 0.f) switch (t.head_dim) {
     case 64: return attend_rows_avx512<4, CT>(t, q, o, lse, scratch);
     case 128: return attend_rows_avx512<8, CT>(t, q, o, lse, scratch);
     case 32: return attend_rows_avx512<2, CT>(t, q, o, lse, scratch);
@@ -252,7 +263,7 @@ inline void attend_tile(const Tile& t, TileScratch& scratch) {
   float* lse = t.part != nullptr ? o + n : nullptr;
 #if defined(PAGEDSERVE_AMX)
   if constexpr (amx_types_v<QT, CT>) {
-    if (amx_applies(t)) {
+    if (amx_applies(t) && t.window == 0 && t.softcap == 0.f) {
       attend_tile_amx<CT>(t, o, lse, scratch.work);
       store_outputs<QT>(t, o, lse);
       return;

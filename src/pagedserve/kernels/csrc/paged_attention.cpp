@@ -21,6 +21,10 @@
 // own blocks after them. Each part leaves float32 outputs and log-sum-exps, merged per row at the end:
 //   out_r = sum_p e^(lse_p - M) o_p / sum_p e^(lse_p - M),  M = max_p lse_p
 // Decode attention reads each key once per query token otherwise, and is bound by memory bandwidth.
+//
+// paged_attention_windowed adds a sliding window (a row at position p sees keys p - window + 1 .. p; a tile walks
+// from the block of its first row's first visible key) and Gemma 2's score cap (s = cap * tanh(s / cap)); such
+// tiles run the portable path (attention_tile.h), and no prefix is shared.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -183,7 +187,7 @@ template <typename QT, typename CT>
 at::Tensor paged_attention_typed(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                                  at::Tensor& kv_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                                  const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
-                                 int64_t max_q_len) {
+                                 int64_t max_q_len, int64_t window, double softcap) {
   const int64_t num_tokens = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
   const int64_t block_size = kv_cache.size(2), num_kv_heads = kv_cache.size(3);
   const int64_t group = num_heads / num_kv_heads;
@@ -222,9 +226,10 @@ at::Tensor paged_attention_typed(const at::Tensor& query, const at::Tensor& key,
   // 2. Work items: one Tile each (attention_tile.h).
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t table_width = block_tables.size(1);
+  // A window or a soft cap: no shared parts (a shared prefix's keys may be outside a member's window).
   const std::vector<SharedPrefix> groups =
-      max_q_len == 0 ? std::vector<SharedPrefix>{} : shared_prefixes(qsl, lens, tables, table_width, num_seqs,
-                                                                      block_size);
+      max_q_len == 0 || window > 0 || softcap > 0
+          ? std::vector<SharedPrefix>{} : shared_prefixes(qsl, lens, tables, table_width, num_seqs, block_size);
   at::Tensor out = at::empty({num_tokens, num_heads, head_dim}, query.options());
   const int64_t q_s0 = query.stride(0), q_s1 = query.stride(1);
   const QT* q_base = static_cast<const QT*>(query.data_ptr());
@@ -251,6 +256,8 @@ at::Tensor paged_attention_typed(const at::Tensor& query, const at::Tensor& key,
     t.n_q = n_q;
     t.scale = static_cast<float>(scale);
     t.key_end = t.pos0 + n_q;
+    t.window = window;
+    t.softcap = static_cast<float>(softcap);
     return t;
   };
   std::vector<pagedserve::Tile> items;
@@ -347,36 +354,49 @@ template <typename QT>
 at::Tensor paged_attention_q(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                              at::Tensor& kv_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                              const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
-                             int64_t max_q_len) {
+                             int64_t max_q_len, int64_t window, double softcap) {
   using pagedserve::bf16_t;
   using pagedserve::fp8_e4m3_t;
   switch (kv_cache.scalar_type()) {
     case at::kFloat:
       return paged_attention_typed<QT, float>(query, key, value, kv_cache, slot_mapping, block_tables, seq_lens,
-                                              query_start_loc, scale, max_q_len);
+                                              query_start_loc, scale, max_q_len, window, softcap);
     case at::kBFloat16:
       return paged_attention_typed<QT, bf16_t>(query, key, value, kv_cache, slot_mapping, block_tables, seq_lens,
-                                               query_start_loc, scale, max_q_len);
+                                               query_start_loc, scale, max_q_len, window, softcap);
     case at::kChar:
       return paged_attention_typed<QT, int8_t>(query, key, value, kv_cache, slot_mapping, block_tables, seq_lens,
-                                               query_start_loc, scale, max_q_len);
+                                               query_start_loc, scale, max_q_len, window, softcap);
     default:  // Float8_e4m3fn (check_inputs admits nothing else)
       return paged_attention_typed<QT, fp8_e4m3_t>(query, key, value, kv_cache, slot_mapping, block_tables,
-                                                   seq_lens, query_start_loc, scale, max_q_len);
+                                                   seq_lens, query_start_loc, scale, max_q_len, window,
+                                                   softcap);
   }
+}
+
+// window > 0: each query sees the last `window` positions, itself included; softcap > 0: Gemma 2's score cap.
+at::Tensor paged_attention_windowed(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                                    at::Tensor kv_cache, const at::Tensor& slot_mapping,
+                                    const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                                    const at::Tensor& query_start_loc, double scale, int64_t max_q_len,
+                                    int64_t window, double softcap) {
+  // Everything is checked before the first write: a rejected call leaves kv_cache untouched.
+  check_inputs(query, key, value, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc);
+  TORCH_CHECK(window >= 0 && softcap >= 0, kOp, ": window and softcap must be >= 0 (0: none), got ", window,
+              " and ", softcap);
+  if (query.scalar_type() == at::kBFloat16)
+    return paged_attention_q<pagedserve::bf16_t>(query, key, value, kv_cache, slot_mapping, block_tables, seq_lens,
+                                                 query_start_loc, scale, max_q_len, window, softcap);
+  return paged_attention_q<float>(query, key, value, kv_cache, slot_mapping, block_tables, seq_lens,
+                                  query_start_loc, scale, max_q_len, window, softcap);
 }
 
 at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                            at::Tensor kv_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                            const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
                            int64_t max_q_len) {
-  // Everything is checked before the first write: a rejected call leaves kv_cache untouched.
-  check_inputs(query, key, value, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc);
-  if (query.scalar_type() == at::kBFloat16)
-    return paged_attention_q<pagedserve::bf16_t>(query, key, value, kv_cache, slot_mapping, block_tables, seq_lens,
-                                                 query_start_loc, scale, max_q_len);
-  return paged_attention_q<float>(query, key, value, kv_cache, slot_mapping, block_tables, seq_lens,
-                                  query_start_loc, scale, max_q_len);
+  return paged_attention_windowed(query, key, value, kv_cache, slot_mapping, block_tables, seq_lens,
+                                  query_start_loc, scale, max_q_len, 0, 0.0);
 }
 
 // The runs paged_attention shares, as rows (first sequence, sequences, blocks): for tests and benchmarks.
@@ -409,6 +429,10 @@ PAGEDSERVE_LIBRARY(m) {
   m.def("paged_attention(Tensor query, Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping, "
         "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale, int max_q_len) -> Tensor");
   m.impl("paged_attention", c10::DispatchKey::CPU, paged_attention);
+  m.def("paged_attention_windowed(Tensor query, Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping, "
+        "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale, int max_q_len, int window, "
+        "float softcap) -> Tensor");
+  m.impl("paged_attention_windowed", c10::DispatchKey::CPU, paged_attention_windowed);
   m.def("shared_prefix_groups(Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, int block_size) "
         "-> Tensor", &shared_prefix_groups);
   m.def("compiled_isa() -> str", &pagedserve::compiled_isa);
