@@ -97,13 +97,6 @@ def image_env() -> dict[str, str]:
     return {k: v for k, v in env.items() if k.startswith("PAGEDSERVE_")}
 
 
-def parser_has_flag(flag: str) -> bool:
-    from pagedserve.cli import build_parser
-
-    serve = build_parser()._subparsers._group_actions[0].choices["serve"]
-    return flag in serve._option_string_actions
-
-
 def container(objects: list[dict]) -> dict:
     return by_kind(objects)["Deployment"]["spec"]["template"]["spec"]["containers"][0]
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import jsonschema
 import pytest
 
-from tests.deploy.helpers import (RELEASE, by_kind, container, env_file_vars, load_schema, parser_has_flag, render,
+from tests.deploy.helpers import (RELEASE, by_kind, container, env_file_vars, load_schema, render,
                                   run_entrypoint)
 
 # The chart's kubeVersion floor (Chart.yaml) and the newest schemas kubernetes-validate ships.
@@ -142,14 +142,13 @@ def test_pod_command_line_parses_with_the_project_parser(case, tmp_path):
     values = CASES[name]
     if values.get("server", {}).get("tensorParallelSize", 1) > 1:
         assert c["args"][c["args"].index("--tensor-parallel-size") + 1] == "3"
-        if not parser_has_flag("--tensor-parallel-size"):
-            pytest.skip("this branch's `pagedserve serve` has no --tensor-parallel-size yet")
         volumes = {v["name"]: v for v in by_kind(objects)["Deployment"]["spec"]["template"]["spec"]["volumes"]}
         assert volumes["dshm"]["emptyDir"]["medium"] == "Memory"
     else:
         assert "--tensor-parallel-size" not in c["args"]
     args = run_entrypoint(tmp_path, c["args"], {})
     assert args["command"] == "serve"
+    assert args["tensor_parallel_size"] == values.get("server", {}).get("tensorParallelSize", 1)
     prefix = values.get("server", {}).get("metricsPrefix", "vllm")
     assert (args["host"], args["port"], args["metrics_prefix"]) == ("0.0.0.0", 8000, prefix)
     assert args["api_key"] is None  # never on the command line

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.deploy.helpers import (DOCKERFILE, ENTRYPOINT, ROOT, dockerfile_commands, image_env, parser_has_flag,
+from tests.deploy.helpers import (DOCKERFILE, ENTRYPOINT, ROOT, dockerfile_commands, image_env,
                                   run_entrypoint)
 
 DOCKERIGNORE = DOCKERFILE.with_name("Dockerfile.dockerignore")
@@ -34,9 +34,7 @@ def test_variables_become_flags_and_container_args_win(tmp_path):
 
 def test_tensor_parallel_flag_only_above_one(tmp_path):
     # Size 1 passes no flag, so it parses on a server that predates tensor parallelism too.
-    run_entrypoint(tmp_path, [], {"PAGEDSERVE_TENSOR_PARALLEL_SIZE": "1"})
-    if not parser_has_flag("--tensor-parallel-size"):
-        pytest.skip("this branch's `pagedserve serve` has no --tensor-parallel-size yet")
+    assert run_entrypoint(tmp_path, [], {"PAGEDSERVE_TENSOR_PARALLEL_SIZE": "1"})["tensor_parallel_size"] == 1
     args = run_entrypoint(tmp_path, [], {"PAGEDSERVE_TENSOR_PARALLEL_SIZE": "3"})
     assert args["tensor_parallel_size"] == 3
 
