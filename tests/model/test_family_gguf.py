@@ -10,7 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pagedserve.attention.backend import get_attention_backend
 from pagedserve.model.loader import load_model
+from pagedserve.model.registry import get_model_class, resolve_architecture
 from tests.model.gguf_writer import BPE_TOKENS, SPM_TOKENS, write_gguf
 from tests.model.test_families import family_config
 from tests.paged_metadata import run_paged_schedule
@@ -54,6 +56,11 @@ def test_family_gguf_matches_transformers(arch: str, quantization: str, model_ca
         assert loaded.tokenizer.convert_tokens_to_ids("\u2581t") == len(SPM_TOKENS) - 1
     assert loaded.model.family == type(loaded.model.family)(**{  # every switch as from the HF config
         f: getattr(_family_of(config), f) for f in loaded.model.family.__slots__})
+    reference = get_model_class(resolve_architecture(config))(config, get_attention_backend("reference"),
+                                                              dtype=torch.float32)
+    for ours, want in zip(loaded.model.model.layers, reference.model.layers):  # rope bases, scaling, longrope
+        ours, want = ours.self_attn.rotary_emb, want.self_attn.rotary_emb
+        assert torch.equal(ours._table(), want._table()) and ours.attention_scaling == want.attention_scaling
     vocab = config.vocab_size
     gen = torch.Generator().manual_seed(4)
     ids = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (30, 21)]
