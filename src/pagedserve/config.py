@@ -223,6 +223,10 @@ class SpeculativeConfig:
     # speculative_disable_by_batch_size); None = never off; "auto" = the method's measured default
     # (SPEC_DISABLE_BY_BATCH_SIZE), which __post_init__ puts in its place.
     disable_by_batch_size: int | str | None = "auto"
+    # A request whose drafts were accepted at a rate below this over its last acceptance_window draft tokens
+    # gets no more drafts (spec_decode/acceptance.py); None = never.
+    disable_by_acceptance_rate: float | None = None
+    acceptance_window: int = 32
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -245,6 +249,12 @@ class SpeculativeConfig:
             object.__setattr__(self, "disable_by_batch_size", SPEC_DISABLE_BY_BATCH_SIZE[self.method])
         elif limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
             raise ValueError(f"disable_by_batch_size must be an integer >= 1, \"auto\" or null, got {limit!r}")
+        rate = self.disable_by_acceptance_rate
+        if rate is not None and (isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 < rate <= 1):
+            raise ValueError(f"disable_by_acceptance_rate must be a number in (0, 1] or null, got {rate!r}")
+        window = self.acceptance_window
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"acceptance_window must be an integer >= 1, got {window!r}")
 
     @classmethod
     def parse(cls, value: "SpeculativeConfig | dict | str | None") -> "SpeculativeConfig | None":

@@ -102,3 +102,30 @@ def test_streaming_deltas_carry_several_tokens(spec_llm, plain_llm):
     assert [t for d in deltas for t in d.token_ids] == full.outputs[0].token_ids
     assert "".join(d.text for d in deltas) == full.outputs[0].text
     assert max(len(d.token_ids) for d in deltas) > 1
+
+
+def test_low_acceptance_switches_a_request_off(spec_llm, plain_llm):
+    # Free-form answers: n-gram drafts are mostly wrong. With disable_by_acceptance_rate 1.0 over a window of
+    # one step, a request gets no more drafts after its first step with a rejected draft, so at most k of its
+    # draft tokens are ever rejected; without the switch they pile up. The output stays the target's.
+    prompts = [f"Tell a short story about a {w} and a {v}, in plain words." for w, v in
+               zip(ITEMS, reversed(ITEMS))][:4]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    k = NGRAM["num_speculative_tokens"]
+    switched = LLM(kv_cache_memory_bytes=KV_BYTES, max_num_batched_tokens=512, max_num_seqs=64,
+                   speculative_config={**NGRAM, "disable_by_acceptance_rate": 1.0, "acceptance_window": 1})
+
+    def rejected_tokens(llm):
+        spec = llm.llm_engine.core.stats.spec
+        before = spec.num_draft_tokens - spec.num_accepted_tokens
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        return spec.num_draft_tokens - spec.num_accepted_tokens - before, [o.outputs[0].token_ids for o in outputs]
+
+    rejected_on, tokens_on = rejected_tokens(switched)
+    rejected_off, tokens_off = rejected_tokens(spec_llm)
+    plain = [o.outputs[0].token_ids for o in plain_llm.generate(prompts, params, use_tqdm=False)]
+    assert tokens_on == tokens_off == plain
+    assert 0 < rejected_on <= k * len(prompts) < rejected_off
+    # Finished requests are forgotten when the next plan carries their ids.
+    switched.generate(["Hi"], SamplingParams(max_tokens=1), use_tqdm=False)
+    assert not switched.llm_engine.core.executor.worker.acceptance.disabled

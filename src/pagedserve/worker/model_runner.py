@@ -58,6 +58,9 @@ class ModelRunner:
         # steps whose batch is too large for drafts to pay; the draft still catches up on every step.
         self.drafter: DraftModel | None = None
         self.propose_drafts = True
+        # Requests the worker switched off for low acceptance (spec_decode/acceptance.py): the draft only
+        # catches up on them.
+        self.undrafted_req_ids: set[str] = set()
         # The proposed drafts' q rows, [k, V] per request; None where the step drafted greedily.
         self.draft_probs: dict[str, torch.Tensor | None] = {}
 
@@ -213,7 +216,8 @@ class ModelRunner:
                 if out.spec is not None:
                     row.verified += len(out.spec.accepted_token_ids[j]) - out.spec.num_draft_tokens[j]
                     row.token_ids = row.token_ids[:row.verified - start]
-                if self.propose_drafts and row.verified + k <= self.drafter.max_model_len - 1:
+                if (self.propose_drafts and req_id not in self.undrafted_req_ids
+                        and row.verified + k <= self.drafter.max_model_len - 1):
                     row.bonus = out.sampled_token_ids[j]
                     row.params = state.params
                     row.generator = self.generator if state.generator is None else state.generator

@@ -23,6 +23,7 @@ from pagedserve.config import EngineConfig
 from pagedserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagedserve.distributed.parallel_state import TensorParallelGroup
 from pagedserve.model.loader import LoadedModel, load_model
+from pagedserve.spec_decode.acceptance import AcceptanceTracker
 from pagedserve.spec_decode.draft_model import (DraftModel, check_same_vocab, draft_dtype, load_draft,
                                                  num_scratch_blocks)
 from pagedserve.spec_decode.proposer import make_proposer
@@ -54,6 +55,8 @@ class Worker:
         self.draft: LoadedModel | None = None
         self.model_runner: ModelRunner | None = None
         self.proposer = None  # n-gram drafts (spec_decode/ngram_proposer.py); the draft model runs in the runner
+        # Requests whose drafts are rarely accepted stop getting any (disable_by_acceptance_rate); rank 0 only.
+        self.acceptance: AcceptanceTracker | None = None
 
     def load_model(self) -> LoadedModel:
         m = self.config.model
@@ -107,10 +110,16 @@ class Worker:
                                         cfg.cache.prefault_kv_cache)
             runner.drafter.host_caches = draft_spec.allocate_host(kv.num_host_blocks, dev)
         self.proposer = make_proposer(cfg.speculative) if self.is_driver else None
+        self.acceptance = AcceptanceTracker.from_config(cfg.speculative) if self.is_driver else None
+        if self.acceptance is not None:
+            runner.undrafted_req_ids = self.acceptance.disabled  # the same set: the draft model skips them
         self.model_runner = runner
 
     def apply_plan(self, plan: SchedulerOutput) -> None:
         self.model_runner.update_states(plan)
+        if self.acceptance is not None:
+            for req_id in plan.finished_req_ids:
+                self.acceptance.forget(req_id)
 
     def read_blocks(self, block_ids: list[int]) -> list[memoryview]:
         # Blocks' K/V as bytes, for the disk tier (worker/kv_offload.py).
@@ -122,6 +131,9 @@ class Worker:
         runner = self.model_runner
         runner.propose_drafts = propose_drafts
         out = runner.execute_model(num_scheduled_tokens)
+        if self.acceptance is not None and out.spec is not None:
+            for req_id, drafted, accepted in zip(out.req_ids, out.spec.num_draft_tokens, out.spec.accepted_token_ids):
+                self.acceptance.record(req_id, drafted, len(accepted))
         if self.proposer is not None and propose_drafts and out.req_ids:
             out.draft_token_ids = self._propose_ngram(out)
         return out
@@ -131,7 +143,10 @@ class Worker:
         # right after them in token_ids) and the token it sampled.
         batch = self.model_runner.input_batch
         drafts = {}
+        undrafted = self.acceptance.disabled if self.acceptance is not None else ()
         for j, req_id in enumerate(out.req_ids):
+            if req_id in undrafted:
+                continue
             row = batch.row_of(req_id)
             n = int(batch.num_tokens[row]) + (len(out.spec.accepted_token_ids[j]) if out.spec is not None else 0)
             drafts[req_id] = self.proposer.propose(np.append(batch.token_ids[row, :n], out.sampled_token_ids[j]))
