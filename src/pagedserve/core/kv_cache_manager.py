@@ -168,12 +168,12 @@ class KVCacheManager:
         blocks.extend(new_blocks)
         if disk_hits:
             self._disk_hits = None  # taken; a refusal above keeps them for the request's next try
-        for block, (block_hash, payload) in zip(new_blocks, disk_hits):
-            self._ops.load.append((block.block_id, payload))
-            self.pool.cache(block, block_hash)  # loaded before any forward pass reads it
-        if disk_hits and self.pool.events is not None:  # the pool gained them: reported as any cached block
-            self._report_stored(req, self.req_hashes[req.req_id], len(computed_blocks), [True] * len(disk_hits))
-        if disk_hits:
+            # Loaded before any forward pass reads them, so cached at once. A hash the pool still holds in another
+            # block (its parent was evicted, not it) is not added again, nor reported.
+            self._ops.load.extend((block.block_id, payload) for block, (_, payload) in zip(new_blocks, disk_hits))
+            added = [self.pool.cache(block, h) for block, (h, _) in zip(new_blocks, disk_hits)]
+            if self.pool.events is not None:
+                self._report_stored(req, self.req_hashes[req.req_id], len(computed_blocks), added)
             stats = self.disk.stats
             stats.num_loaded_blocks += len(disk_hits)
             stats.loaded_bytes += len(disk_hits) * self.disk.block_nbytes
