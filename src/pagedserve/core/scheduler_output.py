@@ -94,6 +94,32 @@ class ModelRunnerOutput:
     # Draft-model speculation: each sampled request's drafts for its next step; None without a draft model.
     draft_token_ids: dict[str, list[int]] | None = None
 
+    @staticmethod
+    def merge(parts: list[ModelRunnerOutput]) -> ModelRunnerOutput:
+        # Outputs of the same plan's requests run apart (the engine core isolating a failing request),
+        # concatenated row-wise.
+        merged = ModelRunnerOutput([], [])
+        want_logprobs = any(p.logprobs is not None for p in parts)
+        if want_logprobs:
+            merged.logprobs, merged.top_logprobs, merged.ranks = [], [], []
+        for p in parts:
+            merged.req_ids += p.req_ids
+            merged.sampled_token_ids += p.sampled_token_ids
+            if want_logprobs:
+                # A part without logprobs holds only requests that did not ask for them; placeholders keep
+                # the rows aligned.
+                n = len(p.req_ids)
+                merged.logprobs += p.logprobs if p.logprobs is not None else [0.0] * n
+                merged.top_logprobs += p.top_logprobs if p.top_logprobs is not None else [[] for _ in range(n)]
+                merged.ranks += p.ranks if p.ranks is not None else [None] * n
+            if p.prompt_logprobs:
+                merged.prompt_logprobs = {**(merged.prompt_logprobs or {}), **p.prompt_logprobs}
+        merged.spec = SpecDecodeOutput.merge([(len(p.req_ids), p.spec) for p in parts])
+        drafts = [p.draft_token_ids for p in parts if p.draft_token_ids is not None]
+        if drafts:
+            merged.draft_token_ids = {r: d for part in drafts for r, d in part.items()}
+        return merged
+
 
 @dataclass(slots=True)
 class SpecDecodeOutput:

@@ -22,21 +22,18 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagedserve import kv_dtypes
-from pagedserve.attention.kv_quant import storage_dtype
 from pagedserve.config import EngineConfig, resolve_limits
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.kv_events import KVEventCollector
 from pagedserve.core.request import Request, RequestStatus
 from pagedserve.core.scheduler import Scheduler
-from pagedserve.core.scheduler_output import (ModelRunnerOutput, PromptLogprobsChunk, SchedulerOutput,
-                                              SpecDecodeOutput)
+from pagedserve.core.scheduler_output import ModelRunnerOutput, PromptLogprobsChunk, SchedulerOutput
 from pagedserve.distributed.parallel_state import rank_device, threads_per_rank
 from pagedserve.engine.kv_event_publisher import make_publisher
 from pagedserve.messages import (EngineCoreOutput, EngineCoreRequest, EngineDeadError, RequestConstraintError,
                                  SampledLogprobs)
 from pagedserve.metrics.stats import EngineStats, RequestStats
-from pagedserve.model.dtypes import resolve_dtype
+from pagedserve.model.dtypes import resolve_engine_dtypes
 from pagedserve.structured_output.manager import StructuredOutputManager
 from pagedserve.worker.executor import Executor
 from pagedserve.worker.kv_offload import open_disk_tier
@@ -54,7 +51,7 @@ class _StepFailures:
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         t0 = time.perf_counter()
-        config = self.config = resolve_dtypes(config)
+        config = self.config = resolve_engine_dtypes(config)
         tp_size = config.parallel.tensor_parallel_size
         device = torch.device(config.device.resolve())
         if config.device.num_threads or tp_size > 1:
@@ -293,7 +290,7 @@ class EngineCore:
             except Exception as exc:  # noqa: BLE001
                 logger.exception("request %s failed inside a step", req_id)
                 failures.errors[req_id] = _describe(exc)
-        return merge_runner_outputs(parts)
+        return ModelRunnerOutput.merge(parts)
 
 
 def _emitted_logprobs(result: ModelRunnerOutput, j: int, num_tokens: int) -> SampledLogprobs:
@@ -309,20 +306,6 @@ def _emitted_logprobs(result: ModelRunnerOutput, j: int, num_tokens: int) -> Sam
     return SampledLogprobs(logprobs[:num_tokens], ranks[:num_tokens], top[:num_tokens])
 
 
-def resolve_dtypes(config: EngineConfig) -> EngineConfig:
-    # The model dtype and the KV dtype, resolved before any rank starts, so every rank builds the same model.
-    dtype, why = resolve_dtype(config.model.dtype, torch.device(config.device.resolve()))
-    dtype_name = str(dtype).removeprefix("torch.")
-    logger.info("model dtype %s (%s)", dtype_name, why)
-    kv_name = kv_dtypes.resolve(config.cache.cache_dtype, dtype_name)
-    storage_dtype(kv_name)  # ValueError naming the flag where this torch lacks the type
-    if kv_name == "float16" and config.model.attention_backend == "cpu":
-        raise ValueError(f"--kv-cache-dtype {kv_name} needs --attention-backend auto or reference: the "
-                         "compiled 'cpu' backend reads float32, bfloat16, int8 and fp8_e4m3 caches")
-    return dataclasses.replace(config, model=dataclasses.replace(config.model, dtype=dtype_name),
-                               cache=dataclasses.replace(config.cache, cache_dtype=kv_name))
-
-
 def make_executor(config: EngineConfig, device: torch.device) -> Executor:
     # Ranks 1..N-1 run in their own processes (distributed/); one worker in this process otherwise.
     if config.parallel.tensor_parallel_size == 1:
@@ -333,29 +316,6 @@ def make_executor(config: EngineConfig, device: torch.device) -> Executor:
     from pagedserve.distributed.executor import MultiprocExecutor  # spawns processes: only when asked for
 
     return MultiprocExecutor(config, rank_device(device, 0))
-
-
-def merge_runner_outputs(parts: list[ModelRunnerOutput]) -> ModelRunnerOutput:
-    merged = ModelRunnerOutput([], [])
-    want_logprobs = any(p.logprobs is not None for p in parts)
-    if want_logprobs:
-        merged.logprobs, merged.top_logprobs, merged.ranks = [], [], []
-    for p in parts:
-        merged.req_ids += p.req_ids
-        merged.sampled_token_ids += p.sampled_token_ids
-        if want_logprobs:
-            # A part without logprobs holds only requests that did not ask for them; placeholders keep rows aligned.
-            n = len(p.req_ids)
-            merged.logprobs += p.logprobs if p.logprobs is not None else [0.0] * n
-            merged.top_logprobs += p.top_logprobs if p.top_logprobs is not None else [[] for _ in range(n)]
-            merged.ranks += p.ranks if p.ranks is not None else [None] * n
-        if p.prompt_logprobs:
-            merged.prompt_logprobs = {**(merged.prompt_logprobs or {}), **p.prompt_logprobs}
-    merged.spec = SpecDecodeOutput.merge([(len(p.req_ids), p.spec) for p in parts])
-    drafts = [p.draft_token_ids for p in parts if p.draft_token_ids is not None]
-    if drafts:
-        merged.draft_token_ids = {r: d for part in drafts for r, d in part.items()}
-    return merged
 
 
 def _describe(exc: BaseException) -> str:

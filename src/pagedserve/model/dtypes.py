@@ -8,11 +8,14 @@ softmax and sampling run in float32 whatever the dtype (layers/norm.py, rotary.p
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
 
-from pagedserve import envs
+from pagedserve import envs, kv_dtypes
+from pagedserve.attention.kv_quant import storage_dtype
+from pagedserve.config import EngineConfig
 from pagedserve.kernels import isa
 
 logger = logging.getLogger(__name__)
@@ -42,3 +45,17 @@ def resolve_dtype(requested: str, device: torch.device, cpu_flags: frozenset[str
     if found:
         return torch.bfloat16, f"auto: this CPU multiplies bf16 natively ({', '.join(found)})"
     return torch.float32, "auto: this CPU has neither AMX nor AVX512-BF16, so bf16 would be no faster"
+
+
+def resolve_engine_dtypes(config: EngineConfig) -> EngineConfig:
+    # The model dtype and the KV dtype, resolved before any rank starts, so every rank builds the same model.
+    dtype, why = resolve_dtype(config.model.dtype, torch.device(config.device.resolve()))
+    dtype_name = str(dtype).removeprefix("torch.")
+    logger.info("model dtype %s (%s)", dtype_name, why)
+    kv_name = kv_dtypes.resolve(config.cache.cache_dtype, dtype_name)
+    storage_dtype(kv_name)  # ValueError naming the flag where this torch lacks the type
+    if kv_name == "float16" and config.model.attention_backend == "cpu":
+        raise ValueError(f"--kv-cache-dtype {kv_name} needs --attention-backend auto or reference: the "
+                         "compiled 'cpu' backend reads float32, bfloat16, int8 and fp8_e4m3 caches")
+    return dataclasses.replace(config, model=dataclasses.replace(config.model, dtype=dtype_name),
+                               cache=dataclasses.replace(config.cache, cache_dtype=kv_name))
