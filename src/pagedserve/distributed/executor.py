@@ -11,12 +11,23 @@ other ranks' inside the model; then every rank answers ok or its error.
     anything else: a worker exited, a pipe closed, an answer later than the collective timeout, ranks that
     disagree                                 -> EngineDeadError; the workers are stopped, and every later call
                                                 raises it at once
+
+A worker that stops responding without exiting (SIGSTOP, a frozen host) would hold rank 0 inside a collective
+until its timeout: each worker beats a shared clock every 0.5 s, and a watchdog thread here kills a worker
+whose beat is HEARTBEAT_TIMEOUT_S old, which ends rank 0's collective at once with the reason.
+
+Ranks start by spawn (a fresh interpreter: no forked torch thread pools or CUDA state) without re-running the
+user's main script: a script that builds LLM(tensor_parallel_size=N) at top level, with no
+`if __name__ == "__main__":`, would otherwise build it again in every rank.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing as mp
 import socket
+import sys
+import threading
 import time
 import weakref
 from multiprocessing.connection import Connection
@@ -40,6 +51,8 @@ logger = logging.getLogger(__name__)
 LOAD_TIMEOUT_S = 1800.0
 # After the slowest collective, a worker still returns from the model and writes its answer.
 ANSWER_GRACE_S = 10.0
+# A worker whose heartbeat (rank_process.HEARTBEAT_INTERVAL_S) is this old is stopped or frozen.
+HEARTBEAT_TIMEOUT_S = 5.0
 
 
 def answer_wait_s(timeout_s: float) -> float:
@@ -51,6 +64,22 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def _without_main_script():
+    # multiprocessing's spawn re-imports the parent's __main__ in the child (by path, or by module name for
+    # `python -m`), which re-runs a script's top level. The ranks need nothing from __main__ (their target and
+    # arguments live in pagedserve), so hide it while the processes start.
+    main = sys.modules.get("__main__")
+    saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if main is not None and k in main.__dict__}
+    try:
+        for k in saved:
+            setattr(main, k, None)
+        yield
+    finally:
+        for k, v in saved.items():
+            setattr(main, k, v)
 
 
 def _stop_workers(procs: list, conns: list[Connection]) -> None:
@@ -86,16 +115,23 @@ class MultiprocExecutor(Executor):
         ctx = mp.get_context("spawn")  # a fresh interpreter: no forked torch thread pools or CUDA state
         self.procs: list = []
         self.conns: list[Connection] = []
-        for rank in range(1, self.world_size):
-            parent_end, child_end = ctx.Pipe()
-            proc = ctx.Process(target=run_worker, args=(rank, config, init_method, child_end),
-                               name=f"pagedserve-tp-rank{rank}", daemon=True)
-            proc.start()
-            child_end.close()
-            self.procs.append(proc)
-            self.conns.append(parent_end)
+        self.heartbeats = [ctx.Value("d", 0.0, lock=False) for _ in range(1, self.world_size)]
+        self.lost: str | None = None  # set by the watchdog: why a worker was killed
+        with _without_main_script():
+            for rank in range(1, self.world_size):
+                parent_end, child_end = ctx.Pipe()
+                proc = ctx.Process(target=run_worker, args=(rank, config, init_method, child_end,
+                                                            self.heartbeats[rank - 1]),
+                                   name=f"pagedserve-tp-rank{rank}", daemon=True)
+                proc.start()
+                child_end.close()
+                self.procs.append(proc)
+                self.conns.append(parent_end)
         # Workers are stopped when the engine is shut down, garbage-collected, or the interpreter exits.
         self._finalizer = weakref.finalize(self, _stop_workers, self.procs, self.conns)
+        self._stop_watchdog = threading.Event()
+        threading.Thread(target=_watchdog, args=(weakref.ref(self), self._stop_watchdog), daemon=True,
+                         name="pagedserve-tp-watchdog").start()
         try:
             self.tp: TensorParallelGroup = init_tensor_parallel(0, self.world_size, init_method, device,
                                                                 self.timeout_s)
@@ -112,7 +148,18 @@ class MultiprocExecutor(Executor):
         return [p.pid for p in self.procs]
 
     def shutdown(self) -> None:
+        self._stop_watchdog.set()
         self._finalizer()
+
+    def check_heartbeats(self, now: float) -> None:
+        # Watchdog thread. Killing the silent worker ends rank 0's collective with it at once (the peer closes);
+        # the engine thread then finds the worker dead and reports self.lost.
+        for rank, (proc, beat) in enumerate(zip(self.procs, self.heartbeats), start=1):
+            if beat.value and now - beat.value > HEARTBEAT_TIMEOUT_S and proc.is_alive() and self.lost is None:
+                self.lost = (f"tensor-parallel rank {rank} (pid {proc.pid}) stopped responding: no heartbeat "
+                             f"for {now - beat.value:.1f}s")
+                logger.error("%s; killing it", self.lost)
+                proc.kill()
 
     def _loaded_everywhere(self) -> None:
         # Each worker answers once its slice of the model is loaded (or with the error that stopped it).
@@ -165,6 +212,8 @@ class MultiprocExecutor(Executor):
     def _send(self, method: str, args: tuple) -> None:
         if self.dead is not None:
             raise EngineDeadError(self.dead)
+        if self.lost is not None:
+            raise self._die(self.lost)
         for rank, conn in enumerate(self.conns, start=1):
             try:
                 conn.send((method, args))
@@ -192,10 +241,20 @@ class MultiprocExecutor(Executor):
     def _die(self, reason: str) -> EngineDeadError:
         # The group is broken (a collective may be half done); stop everything rather than guess.
         if self.dead is None:
-            self.dead = reason
+            self.dead = f"{self.lost} ({reason})" if self.lost is not None else reason
             logger.error("tensor-parallel engine is dead: %s", reason)
             for proc in self.procs:  # no goodbye: a worker may be stuck in a collective or stopped
                 if proc.is_alive():
                     proc.kill()
             self.shutdown()
         return EngineDeadError(self.dead)
+
+
+def _watchdog(executor_ref: weakref.ref, stop: threading.Event) -> None:
+    # Holds only a weak reference, so an executor dropped without shutdown is still garbage-collected.
+    while not stop.wait(HEARTBEAT_TIMEOUT_S / 5):
+        executor = executor_ref()
+        if executor is None or executor.dead is not None:
+            return
+        executor.check_heartbeats(time.monotonic())
+        del executor

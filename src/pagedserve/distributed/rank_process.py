@@ -21,6 +21,8 @@ diff, so all ranks address the same slots. This rank's worker never samples (ran
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from multiprocessing.connection import Connection
 
 import torch
@@ -36,8 +38,22 @@ def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def run_worker(rank: int, config: EngineConfig, init_method: str, conn: Connection) -> None:
-    """Process entry point; returns when rank 0 says shutdown or its end of the pipe closes."""
+HEARTBEAT_INTERVAL_S = 0.5
+
+
+def _beat(heartbeat) -> None:
+    # CLOCK_MONOTONIC is one clock for every process on the machine: rank 0 compares it with its own. A stopped
+    # (SIGSTOP) or frozen process stops beating; a busy one keeps beating (torch releases the GIL).
+    while True:
+        heartbeat.value = time.monotonic()
+        time.sleep(HEARTBEAT_INTERVAL_S)
+
+
+def run_worker(rank: int, config: EngineConfig, init_method: str, conn: Connection, heartbeat=None) -> None:
+    """Process entry point; returns when rank 0 says shutdown or its end of the pipe closes. heartbeat: a
+    shared double this process sets to the monotonic clock every HEARTBEAT_INTERVAL_S."""
+    if heartbeat is not None:
+        threading.Thread(target=_beat, args=(heartbeat,), name="pagedserve-heartbeat", daemon=True).start()
     try:
         _serve(rank, config, init_method, conn)
     except (EOFError, BrokenPipeError, KeyboardInterrupt):
