@@ -95,8 +95,8 @@ def test_windowed_kernel_matches_reference(make_backend, window, softcap, head_d
     ref_cache = cache.clone()
     want = ReferenceAttentionBackend(window, softcap).forward(q, k, v, ref_cache, meta, 0.3)
     backend = make_backend(-1).with_window(window, softcap)
-    if window is not None:  # blocks 0 .. 8 of the 81-token sequence are outside every window of its chunk
-        poisoned = tables[3][:(64 - window + 1) // block_size]
+    if window is not None:  # blocks outside every window: of the 81-token chunk and of the two decodes at 60
+        poisoned = tables[3][:(64 - window + 1) // block_size] + tables[1][:(60 - window + 1) // block_size]
         cache[:, poisoned] = float("nan")
     got = backend.forward(q, k, v, cache, meta, 0.3)
     tol = 1e-5 if cache_dtype == torch.float32 else 2e-2

@@ -45,7 +45,8 @@ struct Tile {
   int64_t block_size, head_dim, group, kv_heads;
   int64_t pos0, n_q;        // position of the tile's first query token, number of tokens
   float scale;
-  int64_t key_begin = 0;    // the keys walked, [key_begin, key_end): key_begin is a block's first position,
+  int64_t key_begin = 0;    // the keys walked, [key_begin, key_end): key_begin is a block's first position
+                            // (any position in a windowed decode tile on the AVX-512 path),
   int64_t key_end = 0;      // key_end at most pos0 + n_q (every key a row may see: causal)
   int64_t window = 0;       // > 0: the row at position p sees keys p - window + 1 .. p only (sliding window)
   float softcap = 0.f;      // > 0: scores become softcap * tanh(score / softcap) (Gemma 2)
@@ -174,8 +175,8 @@ inline void prefetch_ahead(const Tile& t, int64_t b, int64_t last_pos) {
   prefetch_block(t, b + kPrefetchBlocks, last_pos);
 }
 
-// Portable path: plain loops the compiler vectorizes; any head_dim, any block size; the only path with
-// windows and soft-capping. q: the tile's scaled query rows; o: receives its output rows (lse, when set,
+// Portable path: plain loops the compiler vectorizes; any head_dim, any block size; the path of soft-capped
+// tiles and of windowed tiles of more than one token. q: the tile's scaled query rows; o: receives its output rows (lse, when set,
 // their log-sum-exps).
 template <typename CT>
 inline void attend_rows_generic(const Tile& t, const float* q, float* o, float* lse, std::vector<float>& scratch) {
@@ -242,13 +243,20 @@ inline void attend_rows_generic(const Tile& t, const float* q, float* o, float* 
 template <typename CT>
 inline void attend_rows(const Tile& t, const float* q, float* o, float* lse, std::vector<float>& scratch) {
 #if defined(__AVX512F__)
-  if (t.window == 0 && t.softcap == 0.f) switch (t.head_dim) {
-    case 64: return attend_rows_avx512<4, CT>(t, q, o, lse, scratch);
-    case 128: return attend_rows_avx512<8, CT>(t, q, o, lse, scratch);
-    case 32: return attend_rows_avx512<2, CT>(t, q, o, lse, scratch);
-    case 96: return attend_rows_avx512<6, CT>(t, q, o, lse, scratch);
-    case 256: return attend_rows_avx512<16, CT>(t, q, o, lse, scratch);
-    default: break;
+  // A decode tile (one token) has one window for all its rows: it walks from the window's first key, which
+  // need not start a block (the AVX-512 path reads sub-blocks from any position).
+  if (t.softcap == 0.f && (t.window == 0 || t.n_q == 1)) {
+    Tile u = t;
+    u.key_begin = first_key(t);
+    u.window = 0;
+    switch (u.head_dim) {
+      case 64: return attend_rows_avx512<4, CT>(u, q, o, lse, scratch);
+      case 128: return attend_rows_avx512<8, CT>(u, q, o, lse, scratch);
+      case 32: return attend_rows_avx512<2, CT>(u, q, o, lse, scratch);
+      case 96: return attend_rows_avx512<6, CT>(u, q, o, lse, scratch);
+      case 256: return attend_rows_avx512<16, CT>(u, q, o, lse, scratch);
+      default: break;
+    }
   }
 #endif
   attend_rows_generic<CT>(t, q, o, lse, scratch);
