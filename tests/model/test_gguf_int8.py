@@ -5,8 +5,8 @@ the weights' integer quants into it; so its result is gguf's dequantized weight 
 float32 rounding, and differs from the float kernels' by at most sum_k |w_k| * dx / 2 (x's rounding). Both are
 checked on random blocks of every type the kernel has (every bit pattern of quants, packed scales and high
 bits), for rows of x 1..70 (odd counts, more than one pass of 64), float32 and bf16 x, both dot products this
-CPU runs (AVX512-VNNI and AVX512-BW) and every kernel variant the parity tests run (those without the kernel
-must never be picked)."""
+CPU runs (VNNI and vpmaddubsw + vpmaddwd) and every kernel variant the parity tests run (avx512 / amx and avx2
+have the kernel; baseline, which has none, must never pick it)."""
 from __future__ import annotations
 
 import numpy as np
@@ -15,7 +15,6 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
 from pagedserve import kernels
-from pagedserve.kernels import isa
 from pagedserve.model.layers import gguf_quant
 from pagedserve.model.layers.gguf_quant import concat_rows, gguf_linear, kernel_choice
 from tests.model.test_gguf_blocks import as_weight, raw_blocks, reference
@@ -24,14 +23,18 @@ ISAS = kernels.parity_isas()
 pytestmark = pytest.mark.skipif(not ISAS, reason="the compiled kernels could not be built here")
 # every type the kernel has (the dispatcher picks it for gguf_quant.INT8_TYPES); Q8_0 needs VNNI
 KERNEL_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
-# the dot products: None (the best this CPU has), AVX512-BW, and AVX512-VNNI where the CPU has it
-DOTS = [None, False] + ([True] if "avx512_vnni" in isa.cpu_flags() else [])
 ROWS = (1, 2, 3, 8, 17, 64, 70)
 
 
 def int8_ops(isa_name: str):
     ops = kernels.load_isa(isa_name)
     return ops if ops.gguf_int8_types() else None
+
+
+def dots(ops) -> list[bool | None]:
+    # the dot products: None (the variant's best on this CPU), False (vpmaddubsw + vpmaddwd), True (VNNI,
+    # where the variant has it and the CPU runs it)
+    return [None, False] + ([True] if ops.gguf_int8_types(True) else [])
 
 
 def quantized(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,15 +101,16 @@ def test_int8_kernel_matches_quantized_x(isa_name: str, qtype, numerics) -> None
     x[6, :256] = 0  # an all-zero group
     xb = x.bfloat16()
     bias = torch.randn(rows, generator=gen)
-    dots = [dot for dot in DOTS if dot is not False or qtype != T.Q8_0]  # None: the same as one of the others
-    if qtype == T.Q8_0:
+    ways = [dot for dot in dots(ops) if dot is not False or qtype != T.Q8_0]  # None: the same as one of the others
+    if qtype == T.Q8_0:  # VNNI only
         with pytest.raises(RuntimeError, match="needs AVX512-VNNI|type 8 has no int8 kernel"):
             ops.gemm_gguf_int8(x[:1], w, int(qtype), None, False)
         assert int(qtype) not in ops.gguf_int8_types(False)
-    if True not in DOTS and qtype == T.Q8_0:
-        return
+        if True not in ways:
+            assert int(qtype) not in ops.gguf_int8_types()
+            return
     for m in ROWS:
-        for dot in dots[1:]:
+        for dot in ways[1:]:
             b = bias if m % 2 else None
             y = ops.gemm_gguf_int8(x[:m], w, int(qtype), b, dot)
             assert y.dtype == torch.float32 and y.shape == (m, rows)
@@ -116,7 +120,7 @@ def test_int8_kernel_matches_quantized_x(isa_name: str, qtype, numerics) -> None
             check(yb, xb[:m].float(), ref, None if b is None else b.bfloat16().float(), numerics,
                   f"bf16, {m} rows, vnni={dot}")
         # every dot product gives the same integers, so the same floats
-        results = [ops.gemm_gguf_int8(x[:m], w, int(qtype), None, dot) for dot in dots]
+        results = [ops.gemm_gguf_int8(x[:m], w, int(qtype), None, dot) for dot in ways]
         assert all(torch.equal(r, results[0]) for r in results)
 
 
@@ -165,7 +169,7 @@ def test_int8_bad_input() -> None:
         ops.gemm_gguf_int8(torch.randn(1, 256).half(), w, int(T.Q4_K), None)
     with pytest.raises(RuntimeError, match="bias has 3 entries"):
         ops.gemm_gguf_int8(torch.randn(1, 256), w, int(T.Q4_K), torch.zeros(3))
-    if True not in DOTS:
+    if True not in dots(ops):
         with pytest.raises(RuntimeError, match="no AVX512-VNNI"):
             ops.gemm_gguf_int8(torch.randn(1, 256), w, int(T.Q4_K), None, True)
     assert ops.gemm_gguf_int8(torch.randn(0, 256), w, int(T.Q4_K), None).shape == (0, 4)

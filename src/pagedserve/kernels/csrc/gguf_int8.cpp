@@ -1,7 +1,7 @@
 // The int8-activation block GEMM of gguf_int8.h as ops:
 //   gemm_gguf_int8(x [M, K] f32 or bf16, w [N, row_bytes] u8, type, bias?, vnni?) -> y [M, N] = x^ W^T (+ bias)
 //     x^: x quantized to int8 per 256 values (gguf_int8.h); y in x's dtype. vnni: None takes AVX512-VNNI where
-//     the CPU has it; False the AVX512-BW dot products; True requires VNNI.
+//     the CPU has it; False the dot products without it (vpmaddubsw + vpmaddwd); True requires VNNI.
 //   gguf_int8_types(vnni?) -> the GGML types gemm_gguf_int8 multiplies in this build on this CPU (empty:
 //     none), with the dot products `vnni` picks as above
 // model/layers/gguf_quant.py's kernel_choice decides when it runs.
@@ -22,12 +22,13 @@ namespace {
 
 using namespace pagedserve::gguf;
 
-// vnni: None the dot products gemm_gguf_int8 takes by default; False AVX512-BW's (no Q8_0)
+// vnni: None the dot products gemm_gguf_int8 takes by default; False those without VNNI (no Q8_0); True
+// VNNI's (none without it)
 std::vector<int64_t> gguf_int8_types(c10::optional<bool> vnni) {
 #if defined(PAGEDSERVE_GGUF_INT8)
-  std::vector<int64_t> types{kQ4_0, kQ4_1, kQ5_0, kQ5_1, kQ4_K, kQ5_K, kQ6_K};
-  if (vnni.value_or(int8::cpu_has_vnni()) && int8::cpu_has_vnni()) types.push_back(kQ8_0);
-  return types;
+  const bool has_vnni = int8::cpu_has_vnni();
+  if (vnni.value_or(false) && !has_vnni) return {};
+  return int8::types(vnni.value_or(has_vnni));
 #else
   (void)vnni;
   return {};

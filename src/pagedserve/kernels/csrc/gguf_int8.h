@@ -16,15 +16,17 @@
 // So y = sum over blocks of w . x^ exactly in integers, where x^ = dx * round(x / dx), up to float32
 // rounding of a few products per block: against float x the error is at most sum_k |w_k| dx / 2.
 //
-// The weights of R rows are rebuilt once per 256 into registers (quants as bytes in the order of x, scales
-// as int16 or float vectors, offsets as floats) and multiplied into every row of x (at most kMaxRows per
-// pass, the float accumulators of a pass in a small buffer in L1). VNNI is a run-time choice: the avx512
-// and amx builds compile both dot products (the VNNI one under a function target attribute) and take
-// VNNI where the CPU has avx512_vnni. Builds without AVX512-BW (avx2, baseline) define no int8 kernel:
-// gguf_int8_types() is empty there and the dispatcher (model/layers/gguf_quant.py) keeps the float paths.
+// The weights of kPair rows are rebuilt once per 256 into registers (quants as bytes in the order of x,
+// scales as int16 or float vectors, offsets as floats) and multiplied into every row of x (at most kMaxRows
+// per pass, the float accumulators of a pass in a small buffer in L1). The vector code lives in
+// gguf_int8_avx512.h (avx512 / amx builds: 64-byte vectors, both dot products compiled, VNNI's under a
+// function target attribute, taken where the CPU has avx512_vnni) and gguf_int8_avx2.h (avx2: 32-byte
+// vectors, vpmaddubsw + vpmaddwd; no Q8_0); this file holds what they share. The baseline build defines no
+// int8 kernel: gguf_int8_types() is empty there and the dispatcher (model/layers/gguf_quant.py) keeps the
+// float paths.
 #pragma once
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if (defined(__AVX512F__) && defined(__AVX512BW__)) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
 #define PAGEDSERVE_GGUF_INT8 1
 
 #include <ATen/Parallel.h>
@@ -49,7 +51,7 @@ constexpr bool kIntScales = T == kQ4_K || T == kQ5_K || T == kQ6_K;
 template <int64_t T>
 constexpr bool kFloatScales = T == kQ4_0 || T == kQ4_1 || T == kQ5_0 || T == kQ5_1 || T == kQ8_0;
 // Q8_0's quants, offset by 128 to unsigned bytes, reach 255: their pair sums saturate vpmaddubsw's int16, so
-// Q8_0 needs VNNI's vpdpbusd (4 products straight into int32).
+// Q8_0 needs VNNI's vpdpbusd (4 products straight into int32): avx512 builds on CPUs with avx512_vnni only.
 template <int64_t T>
 constexpr bool kSupported = kIntScales<T> || kFloatScales<T>;
 template <int64_t T>
@@ -64,54 +66,15 @@ struct Quantized {
   int64_t kpad, groups;
 };
 
-// One row of k float32 values (k a multiple of 32) into q, d and s16 as Quantized lays them out.
-inline void quantize_row(const float* x, int64_t k, int8_t* q, float* d, float* s16) {
-  const __m512 sign = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
-  for (int64_t g = 0; g * kGroup < k; ++g) {
-    const float* xg = x + g * kGroup;
-    const int64_t len = std::min(kGroup, k - g * kGroup);
-    __m512 amax = _mm512_setzero_ps();
-    for (int64_t j = 0; j < len; j += 16) amax = _mm512_max_ps(amax, _mm512_and_ps(_mm512_loadu_ps(xg + j), sign));
-    const float top = _mm512_reduce_max_ps(amax);
-    const float inv = top > 0.f ? 127.f / top : 0.f;
-    d[g] = top / 127.f;
-    const __m512 scale = _mm512_set1_ps(inv);
-    int8_t* qg = q + g * kGroup;
-    for (int64_t j = 0; j < kGroup; j += 16) {
-      if (j >= len) {  // padding of the last group: zero quants, zero sums
-        std::memset(qg + j, 0, 16);
-        s16[g * 16 + j / 16] = 0.f;
-        continue;
-      }
-      // nearest integer, ties to even (MXCSR's default), as torch.round: the tests emulate it
-      __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xg + j), scale));
-      v = _mm512_max_epi32(_mm512_min_epi32(v, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(qg + j), _mm512_cvtepi32_epi8(v));
-      s16[g * 16 + j / 16] = d[g] * static_cast<float>(_mm512_reduce_add_epi32(v));
-    }
-  }
-}
+}  // namespace pagedserve::gguf::int8
 
-// A 256-weight block of one weight row, rebuilt: quants as unsigned bytes in x's order (64 per vector),
-// the int16 scale of each vpmaddubsw lane (a pair of weights), the offsets per 16 weights and d.
-struct Block {
-  __m512i q[4];
-  __m512i sc[4];    // kIntScales: each int16 lane's scale
-  __m512 scale[4];  // kFloatScales: each int32 lane's d (8 lanes per block of 32)
-  __m512 offsets;
-  __m512 d;         // kIntScales
-};
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include "gguf_int8_avx512.h"
+#else
+#include "gguf_int8_avx2.h"
+#endif
 
-// int16 lanes of `scales` (32 x int16, of which the first 8 or 16 are used) picked by idx[lane].
-inline __m512i pick16(__m512i scales, __m512i idx) { return _mm512_permutexvar_epi16(idx, scales); }
-
-// idx: lane l of vector v takes scale (64 v + 2 l) / group: group = 32 (Q4_K, Q5_K) or 16 (Q6_K)
-template <int Group>
-inline __m512i scale_index(int v) {
-  alignas(64) int16_t idx[32];
-  for (int l = 0; l < 32; ++l) idx[l] = static_cast<int16_t>((64 * v + 2 * l) / Group);
-  return _mm512_load_si512(idx);
-}
+namespace pagedserve::gguf::int8 {
 
 // The 32 quants of a block of 32 as unsigned bytes in x's order, and its d and offset (the weight of quant 0).
 template <int64_t T>
@@ -128,7 +91,7 @@ inline __m256i small_block(const uint8_t* b, float& d, float& offset) {
     const __m128i low4 = _mm_set1_epi8(15);
     __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), low4), _mm_and_si128(bytes, low4));
     if constexpr (T == kQ5_0 || T == kQ5_1)  // bit j of qh: the fifth bit of weight j
-      q = _mm256_mask_add_epi8(q, static_cast<__mmask32>(u32(b + (T == kQ5_0 ? 2 : 4))), q, _mm256_set1_epi8(16));
+      q = _mm256_or_si256(q, _mm256_and_si256(bit_bytes(u32(b + (T == kQ5_0 ? 2 : 4))), _mm256_set1_epi8(16)));
     return q;
   }
 }
@@ -148,99 +111,9 @@ inline void rebuild_small(const uint8_t* row, int64_t g, int64_t nb, Block& u) {
     }
     offsets[2 * j + 1] = offsets[2 * j];
   }
-  for (int v = 0; v < 4; ++v) {
-    u.q[v] = _mm512_inserti64x4(_mm512_castsi256_si512(q[2 * v]), q[2 * v + 1], 1);
-    u.scale[v] = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(d[2 * v]), _mm512_set1_ps(d[2 * v + 1]));
-  }
-  u.offsets = _mm512_load_ps(offsets);
+  set_small(q, d, u);
+  for (int o = 0; o < kOffsetVecs; ++o) u.offsets[o] = fload(offsets + o * kLanes);
 }
-
-template <int64_t T>
-inline void rebuild(const uint8_t* b, Block& u) {
-  if constexpr (T == kQ4_K || T == kQ5_K) {
-    // the 8 six-bit scales and mins (ggml's get_scale_min_k4, 4 bytes at a time)
-    uint32_t s[4];
-    std::memcpy(s, b + 4, 12);
-    constexpr uint32_t m6 = 0x3f3f3f3f, m4 = 0x0f0f0f0f, m2 = 0x03030303;
-    s[3] = ((s[2] >> 4) & m4) | (((s[1] >> 6) & m2) << 4);
-    const uint32_t mins_lo = s[1] & m6;
-    s[1] = (s[2] & m4) | (((s[0] >> 6) & m2) << 4);
-    s[2] = mins_lo;
-    s[0] &= m6;
-    // bytes 0..7: scales of sub-blocks 0..7; bytes 8..15: mins
-    const __m128i sm = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s));
-    const __m512i sc16 = _mm512_castsi256_si512(_mm256_cvtepu8_epi16(sm));
-    for (int v = 0; v < 4; ++v) u.sc[v] = pick16(sc16, scale_index<32>(v));
-    // offsets per 16 weights: - dmin * min of their sub-block of 32
-    const __m128i mins2 =
-        _mm_shuffle_epi8(sm, _mm_setr_epi8(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15));
-    u.offsets = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(mins2)), _mm512_set1_ps(-f16(b + 2)));
-    u.d = _mm512_set1_ps(f16(b));
-    // 32 bytes per 64 weights: low nibbles weights 0..31, high nibbles 32..63; a 64-byte load holds two such
-    // runs, regrouped by 128-bit lanes into weights 0..63 and 64..127
-    const uint8_t* qs = b + (T == kQ5_K ? 48 : 16);
-    const __m512i low4 = _mm512_set1_epi8(15);
-    __m256i qh = _mm256_setzero_si256();
-    if constexpr (T == kQ5_K) qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
-    const __m512i qh2 = _mm512_broadcast_i64x4(qh);
-    for (int h = 0; h < 2; ++h) {
-      const __m512i bytes = _mm512_loadu_si512(qs + 64 * h);
-      const __m512i lo = _mm512_and_si512(bytes, low4), hi = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low4);
-      u.q[2 * h] = _mm512_shuffle_i64x2(lo, hi, 0x44);
-      u.q[2 * h + 1] = _mm512_shuffle_i64x2(lo, hi, 0xEE);
-    }
-    if constexpr (T == kQ5_K) {
-      // the fifth bit of weight 64 c + l is bit 2 c of qh[l], of weight 64 c + 32 + l bit 2 c + 1
-      for (int c = 0; c < 4; ++c) {
-        const __m512i bit = _mm512_inserti64x4(_mm512_set1_epi8(static_cast<char>(1 << (2 * c))),
-                                               _mm256_set1_epi8(static_cast<char>(1 << (2 * c + 1))), 1);
-        const __mmask64 set = _mm512_test_epi8_mask(qh2, bit);
-        u.q[c] = _mm512_mask_add_epi8(u.q[c], set, u.q[c], _mm512_set1_epi8(16));
-      }
-    }
-  } else if constexpr (T == kQ6_K) {
-    const __m128i sc8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192));
-    const float d = f16(b + 208);
-    const __m512i sc16 = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(sc8));
-    for (int v = 0; v < 4; ++v) u.sc[v] = pick16(sc16, scale_index<16>(v));
-    u.offsets = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc8)), _mm512_set1_ps(-32.f * d));
-    u.d = _mm512_set1_ps(d);
-    // weights 128 c + 0..63: low nibbles of ql[64 c .. 64 c + 63], high bits (qh[32 c + l] >> 0 / 2) & 3;
-    // weights 128 c + 64..127: high nibbles of the same bytes, high bits (qh >> 4 / 6) & 3
-    const __m512i low4 = _mm512_set1_epi8(15), low2 = _mm512_set1_epi8(3);
-    for (int c = 0; c < 2; ++c) {
-      const __m512i ql = _mm512_loadu_si512(b + 64 * c);
-      const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * c)));
-      const __m512i hi_lo = _mm512_and_si512(
-          _mm512_srlv_epi16(qh, _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1)), low2);
-      const __m512i hi_hi = _mm512_and_si512(
-          _mm512_srlv_epi16(qh, _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(6), 1)), low2);
-      u.q[2 * c] = _mm512_or_si512(_mm512_and_si512(ql, low4), _mm512_slli_epi16(hi_lo, 4));
-      u.q[2 * c + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), low4), _mm512_slli_epi16(hi_hi, 4));
-    }
-  }
-}
-
-// acc += (unsigned bytes w . signed bytes x, in pairs) * int16 scales, in int32 lanes
-// dot4: unsigned bytes w . signed bytes x in fours, into int32 lanes (no scales)
-struct DotBw {
-  static inline __m512i dot(__m512i acc, __m512i w, __m512i x, __m512i sc) {
-    return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(w, x), sc));
-  }
-  static inline __m512i dot4(__m512i w, __m512i x) {  // w < 128: pair sums within int16
-    return _mm512_madd_epi16(_mm512_maddubs_epi16(w, x), _mm512_set1_epi16(1));
-  }
-};
-
-#pragma GCC push_options
-#pragma GCC target("avx512vnni")
-struct DotVnni {
-  static inline __m512i dot(__m512i acc, __m512i w, __m512i x, __m512i sc) {
-    return _mm512_dpwssd_epi32(acc, _mm512_maddubs_epi16(w, x), sc);
-  }
-  static inline __m512i dot4(__m512i w, __m512i x) { return _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, x); }
-};
-#pragma GCC pop_options
 
 struct Args {
   Quantized x;
@@ -251,7 +124,7 @@ struct Args {
   void* y;            // [m, n] float or c10::BFloat16
 };
 
-// Weight rows n0 .. n0 + R - 1 times rows m0 .. m0 + rows - 1 of x, into acc[R][rows][16].
+// Weight rows n0 .. n0 + R - 1 times rows m0 .. m0 + rows - 1 of x, into acc[R][rows][kLanes].
 template <int64_t T, class Dot, int R>
 [[gnu::always_inline]] inline void pass(const Args& a, int64_t n0, int64_t m0, int64_t rows, float* acc) {
   constexpr int64_t B = Format<T>::kBytes, E = Format<T>::kElems;
@@ -269,24 +142,24 @@ template <int64_t T, class Dot, int R>
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t row = m0 + r;
       const int8_t* xq = a.x.q + row * a.x.kpad + b * kGroup;
-      __m512i xv[4];
-      for (int v = 0; v < 4; ++v) xv[v] = _mm512_loadu_si512(xq + 64 * v);
-      const __m512 s16 = _mm512_loadu_ps(a.x.s16 + (row * a.x.groups + b) * 16);
-      const __m512 dx = _mm512_set1_ps(a.x.d[row * a.x.groups + b]);
+      IVec xv[kVecs];
+      for (int v = 0; v < kVecs; ++v) xv[v] = iload(xq + kBytes * v);
+      const float* s16 = a.x.s16 + (row * a.x.groups + b) * 16;
+      const FVec dx = fset1(a.x.d[row * a.x.groups + b]);
       for (int i = 0; i < R; ++i) {
-        float* out = acc + (i * rows + r) * 16;
-        __m512 sum;
+        float* out = acc + (i * rows + r) * kLanes;
+        FVec sum;
         if constexpr (kIntScales<T>) {
-          __m512i s = _mm512_setzero_si512();
-          for (int v = 0; v < 4; ++v) s = Dot::dot(s, u[i].q[v], xv[v], u[i].sc[v]);
-          sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(u[i].d, dx), _mm512_load_ps(out));
+          IVec s = izero();
+          for (int v = 0; v < kVecs; ++v) s = Dot::dot(s, u[i].q[v], xv[v], u[i].sc[v]);
+          sum = fmadd(cvt(s), fmul(u[i].d, dx), fload(out));
         } else {
-          __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(Dot::dot4(u[i].q[0], xv[0])), u[i].scale[0]);
-          for (int v = 1; v < 4; ++v)
-            f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(Dot::dot4(u[i].q[v], xv[v])), u[i].scale[v], f);
-          sum = _mm512_fmadd_ps(f, dx, _mm512_load_ps(out));
+          FVec f = fmul(cvt(Dot::dot4(u[i].q[0], xv[0])), u[i].scale[0]);
+          for (int v = 1; v < kVecs; ++v) f = fmadd(cvt(Dot::dot4(u[i].q[v], xv[v])), u[i].scale[v], f);
+          sum = fmadd(f, dx, fload(out));
         }
-        _mm512_store_ps(out, _mm512_fmadd_ps(u[i].offsets, s16, sum));
+        for (int o = 0; o < kOffsetVecs; ++o) sum = fmadd(u[i].offsets[o], fload(s16 + o * kLanes), sum);
+        fstore(out, sum);
       }
     }
   }
@@ -294,39 +167,45 @@ template <int64_t T, class Dot, int R>
 
 template <int64_t T, class Dot, int R, typename Out>
 [[gnu::always_inline]] inline void tile(const Args& a, int64_t n0) {
-  alignas(64) float acc[R * kMaxRows * 16];
+  alignas(64) float acc[R * kMaxRows * kLanes];
   for (int64_t m0 = 0; m0 < a.m; m0 += kMaxRows) {
     const int64_t rows = std::min(kMaxRows, a.m - m0);
-    std::memset(acc, 0, sizeof(float) * R * rows * 16);
+    std::memset(acc, 0, sizeof(float) * R * rows * kLanes);
     pass<T, Dot, R>(a, n0, m0, rows, acc);
     for (int64_t r = 0; r < rows; ++r) {
       Out* y = static_cast<Out*>(a.y) + (m0 + r) * a.n + n0;
       for (int i = 0; i < R; ++i)
-        y[i] = static_cast<Out>(_mm512_reduce_add_ps(_mm512_load_ps(acc + (i * rows + r) * 16)) +
-                                (a.bias ? a.bias[n0 + i] : 0.f));
+        y[i] = static_cast<Out>(hsum(fload(acc + (i * rows + r) * kLanes)) + (a.bias ? a.bias[n0 + i] : 0.f));
     }
   }
 }
 
-// Weight rows n0 .. n1 - 1: two at a time (the rebuilt blocks of both stay in registers), then one.
+// Weight rows n0 .. n1 - 1: kPair at a time (the rebuilt blocks of both stay in registers), then one.
 template <int64_t T, class Dot, typename Out>
 [[gnu::always_inline]] inline void rows(const Args& a, int64_t n0, int64_t n1) {
   int64_t n = n0;
-  for (; n + 2 <= n1; n += 2) tile<T, Dot, 2, Out>(a, n);
+  for (; n + kPair <= n1; n += kPair) tile<T, Dot, kPair, Out>(a, n);
   for (; n < n1; ++n) tile<T, Dot, 1, Out>(a, n);
 }
 
 template <int64_t T, typename Out>
-[[gnu::noinline]] void rows_bw(const Args& a, int64_t n0, int64_t n1) {
-  rows<T, DotBw, Out>(a, n0, n1);
+[[gnu::noinline]] void rows_plain(const Args& a, int64_t n0, int64_t n1) {
+  rows<T, DotPlain, Out>(a, n0, n1);
 }
 
+#if defined(PAGEDSERVE_GGUF_INT8_VNNI)
 template <int64_t T, typename Out>
 [[gnu::noinline, gnu::target("avx512vnni")]] void rows_vnni(const Args& a, int64_t n0, int64_t n1) {
   rows<T, DotVnni, Out>(a, n0, n1);
 }
+#endif
 
-inline bool cpu_has_vnni() { return __builtin_cpu_supports("avx512vnni"); }
+// The types gemm runs with VNNI's dot products (vnni) or without.
+inline std::vector<int64_t> types(bool vnni) {
+  std::vector<int64_t> out{kQ4_0, kQ4_1, kQ5_0, kQ5_1, kQ4_K, kQ5_K, kQ6_K};
+  if (vnni) out.push_back(kQ8_0);
+  return out;
+}
 
 template <int64_t T, typename Out>
 void gemm(const Args& a, bool vnni) {
@@ -335,8 +214,10 @@ void gemm(const Args& a, bool vnni) {
     // threads split the weight rows in pairs; every thread reads all of x (a few KB per row, in L2)
     at::parallel_for(0, (a.n + 1) / 2, 8, [&](int64_t p0, int64_t p1) {
       const int64_t n0 = 2 * p0, n1 = std::min(2 * p1, a.n);
-      if constexpr (kNeedsVnni<T>) rows_vnni<T, Out>(a, n0, n1);
-      else vnni ? rows_vnni<T, Out>(a, n0, n1) : rows_bw<T, Out>(a, n0, n1);
+#if defined(PAGEDSERVE_GGUF_INT8_VNNI)
+      if (vnni || kNeedsVnni<T>) return rows_vnni<T, Out>(a, n0, n1);
+#endif
+      if constexpr (!kNeedsVnni<T>) rows_plain<T, Out>(a, n0, n1);
     });
   }
 }

@@ -21,7 +21,7 @@ widens them to float32 once per call. On the `amx` kernel variant, Q4_1 and Q8_0
 DECODE_MAX_ROWS_AMX rows through gemm_gguf_amx (csrc/gguf_amx.cpp: blocks rebuilt into bf16 AMX tiles, and
 from 512 rows the weight rebuilt as bf16 for torch's bf16 GEMM, oneDNN on AMX).
 
-Where the kernel variant has it (avx512, amx), weights whose every type is in INT8_TYPES (Q4_K, Q5_K, Q6_K)
+Where the kernel variant has it (avx2, avx512, amx), weights whose every type is in INT8_TYPES (Q4_K, Q5_K, Q6_K)
 take gemm_gguf_int8 for up to INT8_MAX_ROWS rows of x instead of gemm_gguf: x quantized to int8 per 256 values
 and integer dot products (csrc/gguf_int8.h), as llama.cpp does; results differ from the float kernels by x's
 rounding (at most sum |w| * dx / 2 per output). PAGEDSERVE_GGUF_INT8=0 keeps the float kernels.
@@ -53,10 +53,11 @@ DECODE_MAX_ROWS = 64
 PORTABLE_MAX_ROWS = 8
 # The types gemm_gguf_int8 takes for 1 to INT8_MAX_ROWS rows of x where the kernel variant has it. Measured
 # against gemm_gguf at Llama-1B shapes (512 x 2048, one thread, weights in cache, contended 2-core EPYC;
-# benchmarks/gguf_gemv.py's int8 column times them cold): Q4_K 1.1x its speed at 1 row, 1.7x at 8, 2.0x
-# from 16; Q5_K 1.3x at 1, 2.0x at 16; Q6_K 2.1x at 1, 3.3x from 16. The kernel also multiplies Q4_0, Q4_1,
-# Q5_0, Q5_1 and Q8_0 (blocks of 32, a float scale each), but slower than gemm_gguf's table kernels below
-# ~8 rows (Q4_1 at 1 row: 0.5x) and not clearly faster above on that machine: not chosen until timed quietly.
+# benchmarks/gguf_gemv.py's int8 column times them cold): avx512 Q4_K 1.1x its speed at 1 row, 1.7x at 8,
+# 2.0x from 16; Q5_K 1.3x at 1, 2.0x at 16; Q6_K 2.1x at 1, 3.3x from 16; avx2 Q4_K 1.2x at 1, 2.4x at 8,
+# 3.0x at 64; Q6_K 1.5x at 1, 2.9x at 64. The kernel also multiplies Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 (blocks
+# of 32, a float scale each), but slower than gemm_gguf's table kernels below ~8 rows (Q4_1 at 1 row: 0.5x)
+# and not clearly faster above on that machine: not chosen until timed quietly.
 INT8_TYPES = (12, 13, 14)
 INT8_MAX_ROWS = 64
 
@@ -150,7 +151,7 @@ def _has_decode_kernel(ops) -> bool:
 
 @functools.cache
 def _int8_types(ops) -> frozenset[int]:
-    # The INT8_TYPES gemm_gguf_int8 multiplies in this build on this CPU (none in avx2 and baseline).
+    # The INT8_TYPES gemm_gguf_int8 multiplies in this build on this CPU (none in baseline).
     return frozenset(ops.gguf_int8_types()) & frozenset(INT8_TYPES)
 
 
