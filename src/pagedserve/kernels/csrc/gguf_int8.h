@@ -66,6 +66,18 @@ struct Quantized {
   int64_t kpad, groups;
 };
 
+// A 256-weight group of one weight row, rebuilt (Block in the ISA headers): quants as unsigned bytes in x's
+// order (Vecs vectors), the int16 scale of each vpmaddubsw lane (a pair of weights), the offsets per 16
+// weights and d.
+template <class IVec, class FVec, int Vecs, int OffsetVecs>
+struct Rebuilt {
+  IVec q[Vecs];
+  IVec sc[Vecs];     // kIntScales: each int16 lane's scale
+  FVec scale[Vecs];  // kFloatScales: each int32 lane's d (8 lanes per block of 32)
+  FVec offsets[OffsetVecs];
+  FVec d;            // kIntScales
+};
+
 }  // namespace pagedserve::gguf::int8
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -75,6 +87,25 @@ struct Quantized {
 #endif
 
 namespace pagedserve::gguf::int8 {
+
+// One row of k float32 values (k a multiple of 32) into q, d and s16 as Quantized lays them out.
+inline void quantize_row(const float* x, int64_t k, int8_t* q, float* d, float* s16) {
+  for (int64_t g = 0; g * kGroup < k; ++g) {
+    const float* xg = x + g * kGroup;
+    const int64_t len = std::min(kGroup, k - g * kGroup);
+    const float top = abs_max(xg, len);
+    const float inv = top > 0.f ? 127.f / top : 0.f;  // the tests emulate this rounding
+    d[g] = top / 127.f;
+    for (int64_t j = 0; j < kGroup; j += 16) {
+      if (j < len) {
+        s16[g * 16 + j / 16] = d[g] * static_cast<float>(quantize16(xg + j, inv, q + g * kGroup + j));
+      } else {  // padding of the last group: zero quants, zero sums
+        std::memset(q + g * kGroup + j, 0, 16);
+        s16[g * 16 + j / 16] = 0.f;
+      }
+    }
+  }
+}
 
 // The 32 quants of a block of 32 as unsigned bytes in x's order, and its d and offset (the weight of quant 0).
 template <int64_t T>

@@ -17,6 +17,7 @@ namespace pagedserve::gguf::int8 {
 using IVec = __m256i;
 using FVec = __m256;
 constexpr int kBytes = 32, kLanes = 8, kVecs = 8, kOffsetVecs = 2, kPair = 1;
+using Block = Rebuilt<IVec, FVec, kVecs, kOffsetVecs>;
 inline IVec iload(const int8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 inline IVec izero() { return _mm256_setzero_si256(); }
 inline FVec fload(const float* p) { return _mm256_loadu_ps(p); }
@@ -44,52 +45,32 @@ inline __m256i bit_bytes(uint32_t bits) {
   return _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
 }
 
-// One row of k float32 values (k a multiple of 32) into q, d and s16 as Quantized lays them out (as the
-// avx512 build does: the same rounding, so the same quants).
-inline void quantize_row(const float* x, int64_t k, int8_t* q, float* d, float* s16) {
+// max |x| over len values (a multiple of 8)
+inline float abs_max(const float* x, int64_t len) {
   const __m256 sign = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-  for (int64_t g = 0; g * kGroup < k; ++g) {
-    const float* xg = x + g * kGroup;
-    const int64_t len = std::min(kGroup, k - g * kGroup);
-    __m256 amax = _mm256_setzero_ps();
-    for (int64_t j = 0; j < len; j += 8) amax = _mm256_max_ps(amax, _mm256_and_ps(_mm256_loadu_ps(xg + j), sign));
-    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    const float top = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
-    const float inv = top > 0.f ? 127.f / top : 0.f;
-    d[g] = top / 127.f;
-    const __m256 scale = _mm256_set1_ps(inv);
-    const __m256i hi = _mm256_set1_epi32(127), lo = _mm256_set1_epi32(-127);
-    int8_t* qg = q + g * kGroup;
-    for (int64_t j = 0; j < kGroup; j += 16) {
-      if (j >= len) {  // padding of the last group: zero quants, zero sums
-        std::memset(qg + j, 0, 16);
-        s16[g * 16 + j / 16] = 0.f;
-        continue;
-      }
-      // nearest integer, ties to even (MXCSR's default)
-      __m256i v0 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xg + j), scale));
-      __m256i v1 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xg + j + 8), scale));
-      v0 = _mm256_max_epi32(_mm256_min_epi32(v0, hi), lo), v1 = _mm256_max_epi32(_mm256_min_epi32(v1, hi), lo);
-      // int32 -> int16 (128-bit lanes interleaved, put back in order) -> int8
-      const __m256i w16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(v0, v1), 0xD8);
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(qg + j),
-                       _mm_packs_epi16(_mm256_castsi256_si128(w16), _mm256_extracti128_si256(w16, 1)));
-      s16[g * 16 + j / 16] = d[g] * static_cast<float>(hsum_epi32(_mm256_add_epi32(v0, v1)));
-    }
-  }
+  __m256 amax = _mm256_setzero_ps();
+  for (int64_t j = 0; j < len; j += 8) amax = _mm256_max_ps(amax, _mm256_and_ps(_mm256_loadu_ps(x + j), sign));
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  return _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
 }
 
-// A 256-weight block of one weight row, rebuilt: quants as unsigned bytes in x's order (32 per vector), the
-// int16 scale of each vpmaddubsw lane (a pair of weights), the offsets per 16 weights and d.
-struct Block {
-  IVec q[kVecs];
-  IVec sc[kVecs];     // kIntScales: each int16 lane's scale
-  FVec scale[kVecs];  // kFloatScales: each int32 lane's d (one block of 32 per vector)
-  FVec offsets[kOffsetVecs];
-  FVec d;             // kIntScales
-};
+// 16 values times scale to the nearest integer (ties to even: MXCSR's default), clamped to +-127, as bytes at
+// q; returns their sum
+inline int32_t quantize16(const float* x, float scale, int8_t* q) {
+  const __m256 s = _mm256_set1_ps(scale);
+  const __m256i hi = _mm256_set1_epi32(127), lo = _mm256_set1_epi32(-127);
+  __m256i v0 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x), s));
+  __m256i v1 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 8), s));
+  v0 = _mm256_max_epi32(_mm256_min_epi32(v0, hi), lo), v1 = _mm256_max_epi32(_mm256_min_epi32(v1, hi), lo);
+  // int32 -> int16 (128-bit lanes interleaved, put back in order) -> int8
+  const __m256i w16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(v0, v1), 0xD8);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q),
+                   _mm_packs_epi16(_mm256_castsi256_si128(w16), _mm256_extracti128_si256(w16, 1)));
+  return hsum_epi32(_mm256_add_epi32(v0, v1));
+}
 
+// The 8 rebuilt blocks of 32 of a group (quants q, scales d) into u's vectors, one block each.
 inline void set_small(const __m256i* q, const float* d, Block& u) {
   for (int v = 0; v < 8; ++v) u.q[v] = q[v], u.scale[v] = _mm256_set1_ps(d[v]);
 }

@@ -18,6 +18,7 @@ namespace pagedserve::gguf::int8 {
 using IVec = __m512i;
 using FVec = __m512;
 constexpr int kBytes = 64, kLanes = 16, kVecs = 4, kOffsetVecs = 1, kPair = 2;
+using Block = Rebuilt<IVec, FVec, kVecs, kOffsetVecs>;
 inline IVec iload(const int8_t* p) { return _mm512_loadu_si512(p); }
 inline IVec izero() { return _mm512_setzero_si512(); }
 inline FVec fload(const float* p) { return _mm512_loadu_ps(p); }
@@ -30,43 +31,22 @@ inline float hsum(FVec v) { return _mm512_reduce_add_ps(v); }
 // 0xFF in byte j where bit j of bits is set
 inline __m256i bit_bytes(uint32_t bits) { return _mm256_movm_epi8(static_cast<__mmask32>(bits)); }
 
-// One row of k float32 values (k a multiple of 32) into q, d and s16 as Quantized lays them out.
-inline void quantize_row(const float* x, int64_t k, int8_t* q, float* d, float* s16) {
+// max |x| over len values (a multiple of 16)
+inline float abs_max(const float* x, int64_t len) {
   const __m512 sign = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
-  for (int64_t g = 0; g * kGroup < k; ++g) {
-    const float* xg = x + g * kGroup;
-    const int64_t len = std::min(kGroup, k - g * kGroup);
-    __m512 amax = _mm512_setzero_ps();
-    for (int64_t j = 0; j < len; j += 16) amax = _mm512_max_ps(amax, _mm512_and_ps(_mm512_loadu_ps(xg + j), sign));
-    const float top = _mm512_reduce_max_ps(amax);
-    const float inv = top > 0.f ? 127.f / top : 0.f;
-    d[g] = top / 127.f;
-    const __m512 scale = _mm512_set1_ps(inv);
-    int8_t* qg = q + g * kGroup;
-    for (int64_t j = 0; j < kGroup; j += 16) {
-      if (j >= len) {  // padding of the last group: zero quants, zero sums
-        std::memset(qg + j, 0, 16);
-        s16[g * 16 + j / 16] = 0.f;
-        continue;
-      }
-      // nearest integer, ties to even (MXCSR's default), as torch.round: the tests emulate it
-      __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xg + j), scale));
-      v = _mm512_max_epi32(_mm512_min_epi32(v, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(qg + j), _mm512_cvtepi32_epi8(v));
-      s16[g * 16 + j / 16] = d[g] * static_cast<float>(_mm512_reduce_add_epi32(v));
-    }
-  }
+  __m512 amax = _mm512_setzero_ps();
+  for (int64_t j = 0; j < len; j += 16) amax = _mm512_max_ps(amax, _mm512_and_ps(_mm512_loadu_ps(x + j), sign));
+  return _mm512_reduce_max_ps(amax);
 }
 
-// A 256-weight block of one weight row, rebuilt: quants as unsigned bytes in x's order (64 per vector),
-// the int16 scale of each vpmaddubsw lane (a pair of weights), the offsets per 16 weights and d.
-struct Block {
-  IVec q[kVecs];
-  IVec sc[kVecs];     // kIntScales: each int16 lane's scale
-  FVec scale[kVecs];  // kFloatScales: each int32 lane's d (8 lanes per block of 32)
-  FVec offsets[kOffsetVecs];
-  FVec d;             // kIntScales
-};
+// 16 values times scale to the nearest integer (ties to even: MXCSR's default), clamped to +-127, as bytes at
+// q; returns their sum
+inline int32_t quantize16(const float* x, float scale, int8_t* q) {
+  __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x), _mm512_set1_ps(scale)));
+  v = _mm512_max_epi32(_mm512_min_epi32(v, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(v));
+  return _mm512_reduce_add_epi32(v);
+}
 
 // The 8 rebuilt blocks of 32 of a group (quants q, scales d) into u's vectors, two blocks each.
 inline void set_small(const __m256i* q, const float* d, Block& u) {
