@@ -37,6 +37,7 @@ _HEADER = struct.Struct("<4sI32sQI")  # magic, version, block hash, payload byte
 SUFFIX = ".kv"
 STALE_TMP_S = 3600.0           # a temporary file this old belongs to a writer that died
 MAX_QUEUED_BYTES = 256 << 20   # blocks waiting for the writer beyond this are dropped (counted), not queued
+WRITER_NICENESS = 19
 EXIT_FLUSH_S = 30.0            # at interpreter exit, queued blocks get this long to reach the disk
 FULL_HASH_BYTES = 512 << 20    # model files up to this size are hashed whole for their identity
 SAMPLE_BYTES = 64 << 10
@@ -208,6 +209,12 @@ class DiskKVStore:
         self._thread.join(timeout=5)
 
     def _write_loop(self) -> None:
+        # Like the tokenizer thread (engine/async_engine.py): on a machine with as many cores as OpenMP threads
+        # a busy writer would stall every parallel region of the steps; at this niceness it takes idle cycles.
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICENESS)
+        except (AttributeError, OSError):  # not Linux, or not allowed: normal priority
+            pass
         while (item := self._queue.get()) is not None:
             try:
                 self._write(*item)
