@@ -17,7 +17,7 @@ microseconds per call, the median over rounds that interleave the paths:
   gemv f32    gemm_gguf on float32 x
   tiles f32   float32 tiles dequantized per call + torch's GEMM: the float32 path for many rows
   int8 f32    gemm_gguf_int8 on float32 x (x quantized to int8 per call; every variant but baseline): what
-              the dispatcher runs up to 64 rows for Q4_K, Q5_K, Q6_K unless PAGEDSERVE_GGUF_INT8=0
+              the dispatcher runs at 5-64 rows for Q4_K, Q5_K, Q6_K unless PAGEDSERVE_GGUF_INT8=0
 Then GB/s: the weight bytes read per second by each path. Run with another checkout's interpreter to time its
 gemm_gguf (paths it lacks are left out). --out also writes the table as JSON, with the load average before
 and after (the machine may be shared).

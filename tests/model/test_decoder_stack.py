@@ -83,7 +83,7 @@ def test_stack_equals_modules(tmp_path, types, dtype, monkeypatch) -> None:
     assert used == [not t for t in tiles]
     if kernels.selected_isa() != "baseline":
         assert used == [True, True, True, True]
-    int8 = [kernel_choice(ops, dtype, (int(t),)).path(1) == "int8" for t in set(qtypes.values())]
+    int8 = [kernel_choice(ops, dtype, (int(t),)).path(8) == "int8" for t in set(qtypes.values())]
     assert all(int8) == (types.endswith("int8") and int(T.Q4_K) in ops.gguf_int8_types())
 
 

@@ -126,8 +126,9 @@ def test_int8_kernel_matches_quantized_x(isa_name: str, qtype, numerics) -> None
 
 @pytest.mark.parametrize("isa_name", ISAS)
 def test_dispatcher_picks_int8(isa_name: str, monkeypatch) -> None:
-    # A Q4_K_M-like fused weight (Q4_K and Q6_K parts): gemm_gguf_int8 per part up to INT8_MAX_ROWS rows where
-    # the variant has it and PAGEDSERVE_GGUF_INT8 is not "0"; otherwise the float kernels, exactly as before.
+    # A Q4_K_M-like fused weight (Q4_K and Q6_K parts): gemm_gguf_int8 per part for INT8_MIN_ROWS to
+    # INT8_MAX_ROWS rows where the variant has it and PAGEDSERVE_GGUF_INT8 is not "0"; otherwise the float
+    # kernels, exactly as before.
     # A weight with a type the int8 kernel lacks (Q4_1) keeps the float kernels.
     rng = np.random.default_rng(5)
     raws = [(T.Q4_K, raw_blocks(T.Q4_K, 24, 512, rng)), (T.Q6_K, raw_blocks(T.Q6_K, 8, 512, rng))]
@@ -144,9 +145,9 @@ def test_dispatcher_picks_int8(isa_name: str, monkeypatch) -> None:
             choice = kernel_choice(ops, torch.float32, fused.qtypes)
             assert choice.int8_max_rows == (gguf_quant.INT8_MAX_ROWS if int8 else 0)
             assert kernel_choice(ops, torch.float32, q41.qtypes).path(1) != "int8"
-            for m in (1, 7, 64, 65):
+            for m in (1, gguf_quant.INT8_MIN_ROWS, 7, gguf_quant.INT8_MAX_ROWS, 65):
                 y = gguf_linear(x[:m], fused, bias)
-                if int8 and m <= gguf_quant.INT8_MAX_ROWS:
+                if int8 and gguf_quant.INT8_MIN_ROWS <= m <= gguf_quant.INT8_MAX_ROWS:
                     assert choice.path(m) == "int8"
                     parts = [ops.gemm_gguf_int8(x[:m], p, t, None) for t, p in zip(fused.qtypes, fused.parts)]
                     assert torch.equal(y, torch.cat(parts, dim=1).add_(bias))

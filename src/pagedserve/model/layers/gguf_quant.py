@@ -22,9 +22,9 @@ DECODE_MAX_ROWS_AMX rows through gemm_gguf_amx (csrc/gguf_amx.cpp: blocks rebuil
 from 512 rows the weight rebuilt as bf16 for torch's bf16 GEMM, oneDNN on AMX).
 
 Where the kernel variant has it (avx2, avx512, amx), weights whose every type is in INT8_TYPES (Q4_K, Q5_K, Q6_K)
-take gemm_gguf_int8 for up to INT8_MAX_ROWS rows of x instead of gemm_gguf: x quantized to int8 per 256 values
-and integer dot products (csrc/gguf_int8.h), as llama.cpp does; results differ from the float kernels by x's
-rounding (at most sum |w| * dx / 2 per output). PAGEDSERVE_GGUF_INT8=0 keeps the float kernels.
+take gemm_gguf_int8 for INT8_MIN_ROWS to INT8_MAX_ROWS rows of x instead of gemm_gguf: x quantized to int8 per
+256 values and integer dot products (csrc/gguf_int8.h), as llama.cpp does; results differ from the float
+kernels by x's rounding (at most sum |w| * dx / 2 per output). PAGEDSERVE_GGUF_INT8=0 keeps the float kernels.
 """
 from __future__ import annotations
 
@@ -51,14 +51,17 @@ DECODE_MAX_ROWS_AMX = 4
 DECODE_MAX_ROWS = 64
 # The baseline build's portable loop (no vectorized decode kernel) wins up to this many rows of x.
 PORTABLE_MAX_ROWS = 8
-# The types gemm_gguf_int8 takes for 1 to INT8_MAX_ROWS rows of x where the kernel variant has it. Measured
-# against gemm_gguf at Llama-1B shapes (512 x 2048, one thread, weights in cache, contended 2-core EPYC;
-# benchmarks/gguf_gemv.py's int8 column times them cold): avx512 Q4_K 1.1x its speed at 1 row, 1.7x at 8,
-# 2.0x from 16; Q5_K 1.3x at 1, 2.0x at 16; Q6_K 2.1x at 1, 3.3x from 16; avx2 Q4_K 1.2x at 1, 2.4x at 8,
-# 3.0x at 64; Q6_K 1.5x at 1, 2.9x at 64. The kernel also multiplies Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 (blocks
-# of 32, a float scale each), but slower than gemm_gguf's table kernels below ~8 rows (Q4_1 at 1 row: 0.5x)
-# and not clearly faster above on that machine: not chosen until timed quietly.
+# The types gemm_gguf_int8 takes for INT8_MIN_ROWS to INT8_MAX_ROWS rows of x where the kernel variant has it.
+# Weights cold, 2 threads, Llama-1B shapes, 2-core EPYC Zen 4 at load ~3 (benchmarks/gguf_gemv.py --model
+# llama1b, columns gemv f32 / int8 f32): up to 4 rows gemm_gguf reads the weights faster (down_proj Q4_K at 1
+# row 498 vs 869 us: its prefetching is tuned, the int8 kernel's is not yet); from 6 rows int8 wins on every
+# shape (down_proj Q4_K 1404 vs 1023 us at 6 rows, 2863 vs 1722 at 16, 14546 vs 6704 at 64; Q6_K 1881 vs
+# 1082, 5705 vs 1737, 23614 vs 6754). Weights in cache (compute-bound), int8 is 1.1-3.3x faster at every row
+# count, on avx2 too (1.2-3.0x). The kernel also multiplies Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 (blocks of 32, a
+# float scale each), slower than gemm_gguf's table kernels below ~8 rows (Q4_1 at 1 row: 0.5x) and not
+# clearly faster above when timed under load: not chosen until timed quietly.
 INT8_TYPES = (12, 13, 14)
+INT8_MIN_ROWS = 5
 INT8_MAX_ROWS = 64
 
 
@@ -158,16 +161,16 @@ def _int8_types(ops) -> frozenset[int]:
 @dataclass(frozen=True, slots=True)
 class KernelChoice:
     # How one weight's matmuls run in this process, decided once per (block types, activation dtype, kernel
-    # variant, PAGEDSERVE_GGUF_INT8): up to int8_max_rows rows of x through gemm_gguf_int8, up to
-    # gemv_max_rows through gemm_gguf, more through gemm_gguf_amx where `amx`, else through dequantized tiles
-    # and torch's GEMM.
+    # variant, PAGEDSERVE_GGUF_INT8): INT8_MIN_ROWS to int8_max_rows rows of x through gemm_gguf_int8 (none
+    # when 0), up to gemv_max_rows through gemm_gguf, more through gemm_gguf_amx where `amx`, else through
+    # dequantized tiles and torch's GEMM.
     gemv_max_rows: int
     amx: bool
     int8_max_rows: int = 0
 
     def path(self, m: int) -> str:
         # "int8", "gemv", "amx" or "tiles" for m rows of x
-        if m <= self.int8_max_rows:
+        if INT8_MIN_ROWS <= m <= self.int8_max_rows:
             return "int8"
         return "gemv" if m <= self.gemv_max_rows else "amx" if self.amx else "tiles"
 
