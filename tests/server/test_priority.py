@@ -62,12 +62,13 @@ def test_urgent_request_overtakes_the_queue(priority_server):
 
 
 def test_a_many_prompt_request_does_not_hold_a_later_one(priority_server):
-    # One slot. 12 prompts in one request, then one prompt: it is admitted between the big request's prompts
-    # (fair between client requests, whatever the policy), so it is done long before the big one.
+    # One slot. 48 prompts in one request, then one prompt: it is admitted between the big request's prompts
+    # (fair between client requests, whatever the policy), so it is done long before the big one. A request
+    # arriving k steps late waits behind about k of the big one's sequences: 48 leave room for a slow client.
     url = priority_server.url
 
     def big() -> float:
-        body = {"prompt": [f"item {i}" for i in range(12)], "max_tokens": 8, "ignore_eos": True}
+        body = {"prompt": [f"item {i}" for i in range(48)], "max_tokens": 4, "ignore_eos": True}
         assert httpx.post(f"{url}/v1/completions", json=body, timeout=300).status_code == 200
         return time.monotonic()
 

@@ -467,7 +467,7 @@ class AsyncLLMEngine:
         stats = self.core.stats
         self.snapshot = EngineSnapshot(self.core.scheduler.stats(), stats.num_prompt_tokens_total,
                                        stats.num_generation_tokens_total, dict(stats.finished_by_reason),
-                                       stats.num_aborted, _copy_spec(stats.spec) if getattr(self.core, 'proposer', None) else None)
+                                       stats.num_aborted, _copy_spec(stats.spec) if self.core.config.speculative is not None else None)
 
 
 def _copy_spec(spec: SpecDecodingStats) -> SpecDecodingStats:

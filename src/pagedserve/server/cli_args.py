@@ -106,7 +106,7 @@ def log_memory(engine, prefaulted: bool, device: str) -> None:
     if device != "cpu":
         pool, how = 0, "on the device"
     logger.info("memory: model and runtime %d MiB + KV pool %d MiB (%s) = %d MiB resident in this process",
-                (rss - pool) // mib, pool // mib, how, rss // mib)
+                rss // mib - pool // mib, pool // mib, how, rss // mib)  # the parts add up as printed
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
