@@ -1,0 +1,75 @@
+"""Batched offline decode of a GGUF with and without the int8 block GEMM (PAGEDSERVE_GGUF_INT8), A/B in turns.
+
+    python benchmarks/int8_decode.py --model /work/models/llama-3.2-1b-Q4_K_M.gguf --streams 16 --output-len 32
+
+Each setting runs in its own process (the dispatcher reads the variable once per weight type), in the order
+given by --order, on the same seeded prompts (random token ids, greedy, ignore_eos): output tok/s over the
+whole generate call (prefill included, which both settings run the same way: above 64 rows, dequantized
+tiles), decode tok/s (the same call less a prefill-only one: tokens after each stream's first), and the
+first tokens of the first stream (on a random-weight model the logits are nearly flat, so greedy picks may
+differ once int8 moves them by x's rounding).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+
+
+def run_one(model: str, streams: int, prompt_len: int, output_len: int, threads: int) -> dict:
+    import torch
+
+    from pagedserve import LLM, SamplingParams
+
+    torch.set_num_threads(threads)
+    # no prefix caching: the timed call recomputes the prompts the prefill-only call ran
+    llm = LLM(model=model, max_model_len=prompt_len + output_len + 16, dtype="float32", enable_prefix_caching=False)
+    rng = random.Random(0)
+    prompts = [{"prompt_token_ids": [rng.randrange(100, 30000) for _ in range(prompt_len)]} for _ in range(streams)]
+    llm.generate(prompts[:1], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
+    start = time.perf_counter()
+    llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+    prefill = time.perf_counter() - start  # and the first token
+    start = time.perf_counter()
+    outs = llm.generate(prompts, SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True))
+    seconds = time.perf_counter() - start
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {"tok_s": round(tokens / seconds, 2), "decode_tok_s": round((tokens - streams) / (seconds - prefill), 2),
+            "seconds": round(seconds, 2), "prefill_s": round(prefill, 2),
+            "first_ids": list(outs[0].outputs[0].token_ids[:8])}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", required=True)
+    p.add_argument("--streams", type=int, default=16)
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--order", default="1,0", help="PAGEDSERVE_GGUF_INT8 values, run in this order")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--out")
+    args = p.parse_args()
+    if args.child:
+        print(json.dumps(run_one(args.model, args.streams, args.prompt_len, args.output_len, args.threads)))
+        return
+    result = {"command": " ".join(sys.argv), "load_avg_before": os.getloadavg(), "runs": []}
+    for value in args.order.split(","):
+        env = dict(os.environ, PAGEDSERVE_GGUF_INT8=value)
+        out = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--child"], env=env, check=True,
+                             capture_output=True, text=True).stdout.strip().splitlines()[-1]
+        run = dict(json.loads(out), int8=value)
+        result["runs"].append(run)
+        print(run, flush=True)
+    result["load_avg_after"] = os.getloadavg()
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
