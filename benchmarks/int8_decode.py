@@ -19,6 +19,8 @@ import subprocess
 import sys
 import time
 
+from common import machine_info, write_json
+
 
 def run_one(model: str, streams: int, prompt_len: int, output_len: int, threads: int) -> dict:
     import torch
@@ -65,10 +67,8 @@ def main() -> None:
         run = dict(json.loads(out), int8=value)
         result["runs"].append(run)
         print(run, flush=True)
-    result["load_avg_after"] = os.getloadavg()
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+        write_json(args.out, dict(result, load_avg_after=os.getloadavg(), machine=machine_info()))
 
 
 if __name__ == "__main__":
