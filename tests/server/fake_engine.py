@@ -35,7 +35,8 @@ class FakeCore:
         self.model_name, self.max_model_len, self.num_kv_blocks = "fake", 20_000, 8
         self.kv_bytes_per_token = 46_080
         self.config = SimpleNamespace(cache=SimpleNamespace(block_size=16, cache_dtype="float32"), model=ModelConfig(),
-                                      structured_outputs=StructuredOutputsConfig(), scheduler=SchedulerConfig())
+                                      structured_outputs=StructuredOutputsConfig(), scheduler=SchedulerConfig(),
+                                      speculative=None)
         self.loaded = SimpleNamespace(tokenizer=word_tokenizer(), hf_config=SimpleNamespace(vocab_size=len(VOCAB)),
                                       eos_token_ids=[], chat_template=None)
         self.stats = EngineStats()
