@@ -7,6 +7,7 @@ import pytest
 import yaml
 
 from pagedserve.config import KVEventsConfig
+from pagedserve.core.kv_events import MEDIUM_DISK, MEDIUM_GPU
 from tests.deploy.helpers import NAMESPACE, by_kind, container, env_file_vars, render, run_entrypoint
 from tests.deploy.test_chart import CASES
 from tests.deploy.test_metric_names import queried_names
@@ -70,6 +71,9 @@ def test_precise_scorer_agrees_with_what_the_pods_publish(tmp_path):
     assert events.topic.startswith(kv["topicFilter"]) and kv["discoverPods"] is True
     assert kv["podDiscoveryConfig"]["socketPort"] == {p["name"]: p["containerPort"] for p in c["ports"]}["kv-events"]
     assert producer["tokenProcessorConfig"]["blockSize"] == args["block_size"] == 32
+    # A weight for every medium the pods publish, under the lowercased name the picker looks it up by.
+    tiers = {t["name"]: t["weight"] for t in producer["indexerConfig"]["kvCacheBackendConfigs"]}
+    assert set(tiers) == {MEDIUM_GPU.lower(), MEDIUM_DISK.lower()} and 0 < tiers["disk"] < tiers["gpu"] == 1.0
     # Prompts are tokenized by the pool's own render endpoint, under the name clients use.
     tokens = plugins["token-producer"]
     svc = kinds["Service"]
