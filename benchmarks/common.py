@@ -6,6 +6,7 @@ import json
 import os
 import platform
 import random
+import subprocess
 import time
 from dataclasses import asdict, dataclass
 
@@ -119,3 +120,13 @@ def write_json(path: str, data: dict) -> None:
     with open(path, "w", encoding="utf-8") as f:
         json.dump(data, f, indent=2)
         f.write("\n")
+
+
+def stop_process(proc: subprocess.Popen, timeout_s: float = 30) -> None:
+    """SIGTERM (a server's graceful shutdown), then SIGKILL if it has not exited within timeout_s."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

@@ -31,7 +31,7 @@ import time
 import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import machine_info, write_json  # noqa: E402
+from common import machine_info, stop_process, write_json  # noqa: E402
 
 KV_BYTES = 100_000_000
 _FIELDS = ("VmRSS", "RssAnon", "RssFile", "RssShmem", "VmHWM")
@@ -120,11 +120,7 @@ def measure_server(model: str | None, dtype_name: str, timeout_s: float = 600.0)
         served = read_status(proc.pid)
         return {"command": " ".join(cmd[1:]), "after_start": started, "after_requests": served}
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_process(proc)
 
 
 def main() -> None:

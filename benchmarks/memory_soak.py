@@ -32,7 +32,7 @@ import time
 import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import machine_info, write_json  # noqa: E402
+from common import machine_info, stop_process, write_json  # noqa: E402
 from memory import _free_port, read_status  # noqa: E402
 
 KV_BYTES = 100_000_000
@@ -151,11 +151,7 @@ def main() -> None:
         samples, statuses, errors = asyncio.run(soak(url, proc.pid, args.num_requests, args.concurrency, kinds,
                                                      args.sample_every))
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_process(proc)
     with open(log_path, encoding="utf-8") as f:
         memory_line = next((line.strip() for line in f if "memory: model" in line), None)
     final = samples[-1] if samples else start
