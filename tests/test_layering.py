@@ -50,9 +50,11 @@ def _under(module: str, package: str) -> bool:
     # The scheduler and the KV cache manager see token ids and configs, nothing that runs a model or serves.
     ("pagedserve.core", ("pagedserve.engine", "pagedserve.worker", "pagedserve.model", "pagedserve.attention",
                          "pagedserve.distributed", "pagedserve.server", "pagedserve.kernels", "pagedserve.sample")),
-    # Workers and ranks run plans; they never reach up into the engine or the server.
-    ("pagedserve.worker", ("pagedserve.engine", "pagedserve.server")),
-    ("pagedserve.distributed", ("pagedserve.engine", "pagedserve.server")),
+    # Workers and ranks run plans; they never reach up into the engine or the server, and hold no grammar (the
+    # plan carries the step's token bitmask).
+    ("pagedserve.worker", ("pagedserve.engine", "pagedserve.server", "pagedserve.structured_output")),
+    ("pagedserve.distributed", ("pagedserve.engine", "pagedserve.server", "pagedserve.structured_output")),
+    ("pagedserve.sample", ("pagedserve.engine", "pagedserve.server", "pagedserve.structured_output")),
     ("pagedserve.model", ("pagedserve.engine", "pagedserve.server", "pagedserve.worker")),
     ("pagedserve.structured_output", ("pagedserve.engine", "pagedserve.server")),
 ])

@@ -10,6 +10,7 @@ import pytest
 from pagedserve import LLM, SamplingParams
 from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.messages import EngineDeadError
+from pagedserve.sampling_params import StructuredOutputsParams
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "1, 2, 3, 4,"]
 KV_BYTES = 16 << 20
@@ -70,6 +71,10 @@ def test_tp2_tiny_random_model_matches_tp1_and_a_hung_rank_times_out(tiny_tp_dir
     try:
         assert_same(base, generate(llm, params))
         assert llm.llm_engine.runner.kv_caches[0].shape[3] == 1  # 2 KV heads / 2 ranks, in every block
+        # The plan's grammar bitmask stays on rank 0 (only it samples); constrained requests still obey it.
+        choice = SamplingParams(temperature=0.0, max_tokens=8,
+                                structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+        assert {o.outputs[0].text for o in llm.generate(PROMPTS, choice, use_tqdm=False)} <= {"yes", "no"}
         # A rank that stops answering (SIGSTOP: alive, silent) fails the step after the collective timeout.
         worker = psutil.Process(core.executor.worker_pids[0])
         worker.suspend()

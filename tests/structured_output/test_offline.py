@@ -5,6 +5,7 @@ import json
 import re
 
 import jsonschema
+import numpy as np
 import pytest
 
 from pagedserve import SamplingParams
@@ -78,6 +79,32 @@ def test_stop_strings_max_tokens_and_prefix_caching(llm):
                                                        structured_outputs=so), use_tqdm=False)[0].outputs[0]
     assert stopped.finish_reason == "stop" and stopped.stop_reason == '"n"'
     assert first.outputs[0].text.startswith(stopped.text)
+
+
+def test_the_plan_carries_the_bitmask_of_each_sampling_step(llm):
+    # The engine core fills the allowed tokens of its requests under a grammar into the plan the worker runs;
+    # a request without a grammar gets no row.
+    core, tok = llm.llm_engine.core, llm.get_tokenizer()
+    plans = []
+    apply_plan = core.executor.apply_plan
+    core.executor.apply_plan = lambda plan: (plans.append(plan), apply_plan(plan))[1]
+    try:
+        choice, free = llm.generate(["The answer:", "Hello"], [
+            SamplingParams(temperature=0.0, max_tokens=8, structured_outputs=StructuredOutputsParams(
+                choice=["yes", "no"])),
+            SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)], use_tqdm=False)
+    finally:
+        del core.executor.apply_plan
+    assert choice.outputs[0].text in ("yes", "no") and len(free.outputs[0].token_ids) == 3
+    rows = [p.grammar for p in plans if p.grammar is not None]
+    [req_id] = {r for g in rows for r in g.req_ids}
+    # One row per step that samples the constrained request: one per output token, its stop token included.
+    assert [g.req_ids for g in rows] == [[req_id]] * len(choice.outputs[0].token_ids)
+    vocab = core.hf_config.vocab_size
+    allowed = np.unpackbits(rows[0].bitmask[0].view(np.uint8), bitorder="little")[:vocab].nonzero()[0]
+    # The first token may be any token whose text starts one of the choices.
+    want = [t for t in range(vocab) if (text := tok.decode([t])) and ("yes".startswith(text) or "no".startswith(text))]
+    assert allowed.tolist() == want and len(want) >= 2
 
 
 def test_bad_specs_raise_value_error(llm):

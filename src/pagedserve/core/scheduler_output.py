@@ -2,10 +2,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pagedserve.core.kv_cache_manager import BlockOps
 from pagedserve.core.kv_disk import KVOffloadStats
 from pagedserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +41,15 @@ class CachedRequestData:
 
 
 @dataclass(frozen=True, slots=True)
+class GrammarOutput:
+    # The tokens each request under a grammar may sample this step (vLLM's GrammarOutput), filled by the
+    # engine core's matchers: bit t % 32 of bitmask[i, t // 32] is set when req_ids[i] may sample token t.
+    # Such requests get no drafts, so each has one row: the one of its last scheduled token.
+    req_ids: list[str]
+    bitmask: np.ndarray  # int32 [len(req_ids), ceil(vocab_size / 32)]
+
+
+@dataclass(frozen=True, slots=True)
 class SchedulerOutput:
     """One step's plan. The worker keeps each request's state (tokens, block table, sampling params) from
     the first plan that schedules it until its id appears in finished_req_ids; plans carry only changes.
@@ -58,6 +71,9 @@ class SchedulerOutput:
     # Speculative decoding: the draft tokens scheduled after each request's last token (its last
     # len(drafts) scheduled tokens). The worker verifies them and samples one token more.
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # Structured outputs: the step's token bitmask, added by the engine core after scheduling. The runner masks
+    # the logits with it and never sees a grammar.
+    grammar: GrammarOutput | None = None
 
     @property
     def is_empty(self) -> bool:

@@ -23,6 +23,7 @@ user's main script: a script that builds LLM(tensor_parallel_size=N) at top leve
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import multiprocessing as mp
 import socket
@@ -41,7 +42,6 @@ from pagedserve.distributed.parallel_state import (TensorParallelGroup, check_di
 from pagedserve.distributed.rank_process import describe, run_worker
 from pagedserve.messages import EngineDeadError
 from pagedserve.model.loader import read_config, resolve_model_dir
-from pagedserve.structured_output.manager import StructuredOutputManager
 from pagedserve.worker.executor import Executor
 from pagedserve.worker.worker import KVCacheConfig
 
@@ -168,8 +168,8 @@ class MultiprocExecutor(Executor):
             self.shutdown()
             raise ValueError(f"a tensor-parallel rank failed to load the model: {next(e for e in errors if e)}")
 
-    def initialize(self, kv_config: KVCacheConfig, structured_output: StructuredOutputManager | None = None) -> None:
-        super().initialize(kv_config, structured_output)  # grammars are rank 0's: only it samples
+    def initialize(self, kv_config: KVCacheConfig) -> None:
+        super().initialize(kv_config)
         self._send("initialize", (kv_config,))
         errors = self._answers(LOAD_TIMEOUT_S)
         if any(errors):
@@ -183,7 +183,8 @@ class MultiprocExecutor(Executor):
         except Exception as exc:
             # Rank 0's batch has part of the plan and the others none of it: the ranks cannot agree again.
             raise self._die(f"rank 0 failed to apply a plan: {describe(exc)}") from exc
-        self._plan = plan
+        # Only rank 0 samples: the grammar bitmask (KBs a constrained request) stays here.
+        self._plan = plan if plan.grammar is None else dataclasses.replace(plan, grammar=None)
 
     def execute_model(self, num_scheduled_tokens: dict[str, int], propose_drafts: bool = True) -> ModelRunnerOutput:
         # A call without a new plan (the core isolating a failing request) sends only the ids.

@@ -87,8 +87,8 @@ class EngineCore:
         self.kv_event_publisher = make_publisher(config.kv_events, config.model.model or self.model_name)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, config.cache.preemption_mode,
                                    getattr(loaded.model, "longrope_switch", None))
-        self.structured_output = StructuredOutputManager(self.hf_config.vocab_size, config.scheduler.max_num_seqs)
-        ex.initialize(KVCacheConfig(num_blocks, num_host_blocks, self.max_model_len), self.structured_output)
+        self.structured_output = StructuredOutputManager(self.hf_config.vocab_size)
+        ex.initialize(KVCacheConfig(num_blocks, num_host_blocks, self.max_model_len))
         self.stats = EngineStats()
         # Samples of one user request (a sample's group is the sample it forks, or itself), so metrics count
         # a request once when its last sample ends, as vLLM does.
@@ -165,6 +165,8 @@ class EngineCore:
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return outputs
+        if self.structured_output.matchers:
+            plan = self._with_grammar(plan)
         # A plan with no tokens still carries finished ids and swap copies: the worker applies them.
         t0 = time.perf_counter()
         failures = _StepFailures()
@@ -215,6 +217,15 @@ class EngineCore:
         if self.kv_event_publisher is not None:
             self.kv_event_publisher.publish(self.kv_events.take())
         return outputs
+
+    def _with_grammar(self, plan: SchedulerOutput) -> SchedulerOutput:
+        # The allowed tokens of the requests under a grammar that sample this step (their scheduled tokens
+        # reach their last one) travel in the plan; a prefill chunk short of the end needs none.
+        reqs = self.scheduler.requests
+        sampling = [rid for rid, n in plan.num_scheduled_tokens.items()
+                    if rid in self.structured_output and reqs[rid].num_computed_tokens + n >= reqs[rid].num_tokens]
+        grammar = self.structured_output.grammar_output(sampling)
+        return plan if grammar is None else dataclasses.replace(plan, grammar=grammar)
 
     def _drafts_pay(self) -> bool:
         # Above disable_by_batch_size running requests drafts would cost more compute than they save, so the

@@ -17,7 +17,6 @@ from pagedserve.config import EngineConfig
 from pagedserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagedserve.distributed.parallel_state import TensorParallelGroup
 from pagedserve.model.loader import LoadedModel
-from pagedserve.structured_output.manager import StructuredOutputManager
 from pagedserve.worker.kv_cache import KVCacheSpec
 from pagedserve.worker.memory import DraftKV
 from pagedserve.worker.model_runner import ModelRunner
@@ -56,8 +55,8 @@ class Executor:
     def kv_budget_bytes(self) -> int:
         return self.worker.kv_budget_bytes()
 
-    def initialize(self, kv_config: KVCacheConfig, structured_output: StructuredOutputManager | None = None) -> None:
-        self.worker.initialize(kv_config, structured_output)
+    def initialize(self, kv_config: KVCacheConfig) -> None:
+        self.worker.initialize(kv_config)
 
     def apply_plan(self, plan: SchedulerOutput) -> None:
         self.worker.apply_plan(plan)

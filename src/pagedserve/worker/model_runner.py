@@ -11,11 +11,11 @@ import numpy as np
 import torch
 
 from pagedserve.attention.metadata import AttentionMetadata
-from pagedserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput, SpecDecodeOutput
+from pagedserve.core.scheduler_output import GrammarOutput, ModelRunnerOutput, SchedulerOutput, SpecDecodeOutput
+from pagedserve.sample.grammar_bitmask import apply_grammar_bitmask
 from pagedserve.sample.sampler import Sampler, SamplingBatch, SamplingRow, make_generator
 from pagedserve.spec_decode.draft_model import DraftModel, DraftRow
 from pagedserve.spec_decode.rejection_sampler import rejection_sample
-from pagedserve.structured_output.manager import StructuredOutputManager
 from pagedserve.worker.input_batch import InputBatch
 from pagedserve.worker.kv_cache import apply_block_ops
 from pagedserve.worker.prompt_logprobs import compute_prompt_logprobs, prompt_span
@@ -52,8 +52,8 @@ class ModelRunner:
         # restart with the same seed and the same requests samples the same tokens. A seeded request keeps
         # its own generator for its lifetime, so its draws do not depend on its batch mates.
         self.generator = make_generator(seed, device)
-        # Set by the engine core: masks the logits of rows under a grammar (structured outputs).
-        self.structured_output: StructuredOutputManager | None = None
+        # The current plan's token bitmask (structured outputs): the logits of rows under a grammar are masked.
+        self.grammar: GrammarOutput | None = None
         # Draft-model speculation (spec_decode/draft_model.py): set by the engine. propose_drafts is off in
         # steps whose batch is too large for drafts to pay; the draft still catches up on every step.
         self.drafter: DraftModel | None = None
@@ -113,6 +113,7 @@ class ModelRunner:
     def update_states(self, plan: SchedulerOutput) -> None:
         # Bookkeeping only (the plan's diff into the input batch, block copies and swaps): done once per plan.
         self.input_batch.apply(plan, self._make_generator)
+        self.grammar = plan.grammar  # for every execute_model of this plan (the core may run it in parts)
         apply_block_ops(plan.block_ops, self.kv_caches, self.host_caches)
         if self.drafter is not None:
             apply_block_ops(plan.block_ops, self.drafter.kv_caches, self.drafter.host_caches)
@@ -167,12 +168,11 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[torch.tensor(sample_idx, device=hidden.device)])
         if not self.driver:
             return ModelRunnerOutput([], [])
-        if self.structured_output is not None and self.structured_output.matchers:
+        if self.grammar is not None:
             # One logits row per sampled position; requests under a grammar get no drafts (the engine core
             # skips them), so their only row is their last one and draft rows are never masked.
-            row_req_ids = [rid if j == len(d) else ""
-                           for rid, d in zip(req_ids, drafts) for j in range(len(d) + 1)]
-            self.structured_output.apply_bitmask(logits, row_req_ids)
+            row_req_ids = [rid if j == len(d) else None for rid, d in zip(req_ids, drafts) for j in range(len(d) + 1)]
+            apply_grammar_bitmask(logits, row_req_ids, self.grammar)
         batch = SamplingBatch.build(rows, self.vocab_size, logits.device)
         if spec:
             out = verify_output(req_ids, drafts, logits, batch, prompt_logprobs, self._draft_q(req_ids, drafts))

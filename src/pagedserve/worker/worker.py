@@ -27,7 +27,6 @@ from pagedserve.spec_decode.acceptance import AcceptanceTracker
 from pagedserve.spec_decode.draft_model import (DraftModel, check_same_vocab, draft_dtype, load_draft,
                                                  num_scratch_blocks)
 from pagedserve.spec_decode.proposer import make_proposer
-from pagedserve.structured_output.manager import StructuredOutputManager
 from pagedserve.worker.kv_cache import KVCacheSpec, kv_cache_spec
 from pagedserve.worker.kv_offload import read_blocks
 from pagedserve.worker.memory import DraftKV, kv_budget_bytes
@@ -94,15 +93,13 @@ class Worker:
     def kv_budget_bytes(self) -> int:
         return kv_budget_bytes(self.config.cache, self.device)
 
-    def initialize(self, kv: KVCacheConfig, structured_output: StructuredOutputManager | None = None) -> None:
+    def initialize(self, kv: KVCacheConfig) -> None:
         cfg, dev = self.config, self.device
         spec = self.kv_cache_spec()
         runner = ModelRunner(self.loaded.model, spec.allocate(kv.num_blocks, dev, cfg.cache.prefault_kv_cache), spec.block_size,
                              self.loaded.hf_config.vocab_size, dev, cfg.scheduler.max_num_seqs, kv.max_model_len,
                              cfg.model.seed, driver=self.is_driver)
         runner.host_caches = spec.allocate_host(kv.num_host_blocks, dev)
-        # Grammar matchers live beside the scheduler (rank 0); the runner masks logits with them before sampling.
-        runner.structured_output = structured_output
         if self.draft is not None:
             draft_spec = self.draft_kv_spec()
             runner.drafter = DraftModel(self.draft, cfg.speculative.num_speculative_tokens, kv.num_blocks,
