@@ -95,6 +95,8 @@ def test_snapshots_are_shared_between_polls_and_follow_the_engine(srv):
     later = get_kv(srv.url)
     assert later["seq"] > first["seq"]
     assert later["engine"]["generation_tokens_total"] >= first["engine"]["generation_tokens_total"] + 2
+    # The steps' time (benchmarks/http_offline.py reads it): the request's two steps took some.
+    assert later["engine"]["step_time_total_s"] > first["engine"]["step_time_total_s"]
     assert later["engine"]["num_ttft_samples"] >= 1 and later["engine"]["ttft_p50_s"] > 0
     assert later["model"] and later["requests"] == {}
     assert [b for b in later["blocks"] if b["state"] == "in_use"] == []

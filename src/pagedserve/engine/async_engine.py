@@ -161,7 +161,8 @@ class AsyncLLMEngine:
             return capture_kv_state(core.scheduler), {
                 "time": time.time(), "num_steps": stats.num_steps,
                 "prompt_tokens_total": stats.num_prompt_tokens_total,
-                "generation_tokens_total": stats.num_generation_tokens_total}
+                "generation_tokens_total": stats.num_generation_tokens_total,
+                "step_time_total_s": stats.step_time_total}
 
         return await self._on_engine_thread(capture)
 
