@@ -58,7 +58,8 @@ def run_stages(model: str | None, dtype_name: str) -> list[dict]:
     from pagedserve.model.dtypes import resolve_dtype
     from pagedserve.model.loader import load_model
     from pagedserve.quality import greedy_continuation
-    from pagedserve.worker.kv_cache import kv_cache_spec
+    from pagedserve.kv_spec import kv_cache_spec
+    from pagedserve.worker.kv_cache import allocate
     from pagedserve.worker.memory import plan_num_blocks
 
     dtype, _ = resolve_dtype(dtype_name, torch.device("cpu"))
@@ -69,7 +70,7 @@ def run_stages(model: str | None, dtype_name: str) -> list[dict]:
     cache = CacheConfig(block_size=16, kv_cache_memory_bytes=KV_BYTES)
     spec = kv_cache_spec(hf, cache.block_size, str(dtype).removeprefix("torch."))
     num_blocks = plan_num_blocks(cache, spec.bytes_per_block, KV_BYTES)
-    caches = spec.allocate(num_blocks, torch.device("cpu"))
+    caches = allocate(spec, num_blocks, torch.device("cpu"))
     stages.append({"stage": f"KV pool ({num_blocks} blocks)", **read_status()})
     ids = list(range(1000, 1256))
     greedy_continuation(m, ids, caches, 16, max_tokens=16, chunk=64)  # prefill (> 8 rows), then decode (1 row)

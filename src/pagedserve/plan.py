@@ -6,7 +6,9 @@
 
 Paged allocation hands a sequence of L tokens ceil(L / B) blocks of B tokens, so it wastes under one block.
 A contiguous allocator that does not know the output length reserves the whole context for every sequence,
-so it wastes context - L tokens. The numbers come from the model's config alone (no weights are read).
+so it wastes context - L tokens. The model's config is read as the engine reads it (a GGUF file's metadata is
+converted once into the cache; no weights are read), and the KV geometry and the pool's block count come from
+the engine's own functions (kv_spec.kv_cache_spec, worker/memory.plan_num_blocks).
 """
 from __future__ import annotations
 
@@ -15,21 +17,30 @@ import json
 import math
 import os
 from dataclasses import asdict, dataclass
+from typing import Any
 
-from pagedserve.kv_dtypes import ALIASES, ELEMENT_BYTES, QUANTIZED, SCALE_BYTES, bytes_per_token
+from pagedserve import kv_dtypes
+from pagedserve.kv_spec import KVCacheSpec, kv_cache_spec
 
-DTYPE_BYTES = {"float32": 4, "fp32": 4, "float": 4, "float16": 2, "fp16": 2, "half": 2, "bfloat16": 2, "bf16": 2,
-               "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "float8": 1, "int8": 1}
 GIB = 1 << 30
 
 
 @dataclass(frozen=True, slots=True)
-class KVShape:
+class PlanModel:
     name: str
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    max_context: int | None
+    hf_config: Any  # as the engine reads it (model/hf_config.py)
+
+    def kv_spec(self, block_size: int, kv_dtype: str) -> KVCacheSpec:
+        try:
+            return kv_cache_spec(self.hf_config, block_size, kv_dtype)
+        except AttributeError as e:
+            raise ValueError(f"{self.name}: the config lacks {e.name} (need num_hidden_layers, "
+                             "num_attention_heads, hidden_size or head_dim)") from None
+
+    @property
+    def max_context(self) -> int | None:
+        ctx = getattr(self.hf_config, "max_position_embeddings", None)
+        return int(ctx) if ctx else None
 
 
 @dataclass(slots=True)
@@ -41,80 +52,28 @@ class LengthRow:
     contiguous_waste: float
 
 
-def kv_bytes_per_token(shape: KVShape, dtype_bytes: int) -> int:
-    return 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * dtype_bytes
+def read_model(model: str | None) -> PlanModel:
+    """A GGUF file, an HF directory or its config.json (None: the embedded model)."""
+    from pagedserve.model.hf_config import HFConfig, read_config
+    from pagedserve.model.loader import resolve_model_dir
+
+    path = None if model is None else os.path.abspath(os.path.expanduser(model))
+    if path is not None and os.path.basename(path) == "config.json":
+        path = os.path.dirname(path)
+    model_dir, name = resolve_model_dir(path, weights=False)
+    hf_config = read_config(model_dir)
+    text = getattr(hf_config, "text_config", None)
+    if not hasattr(hf_config, "num_hidden_layers") and isinstance(text, dict):
+        hf_config = HFConfig(**text)  # a multimodal config: its language model holds the KV cache
+    return PlanModel(name, hf_config)
 
 
-def _per_token(shape: KVShape, dtype: str) -> int:
-    # The engine's own arithmetic for the dtypes it stores (8-bit ones carry scales), plain bytes otherwise.
-    kv = ALIASES.get(dtype, dtype)
-    if kv in ELEMENT_BYTES:
-        return bytes_per_token(kv, shape.num_layers, shape.num_kv_heads, shape.head_dim)
-    return kv_bytes_per_token(shape, DTYPE_BYTES[dtype])
-
-
-def _hf_shape(cfg: dict, name: str) -> KVShape:
-    # Multimodal configs keep the language model's numbers under text_config.
-    if "num_hidden_layers" not in cfg and isinstance(cfg.get("text_config"), dict):
-        cfg = cfg["text_config"]
-    try:
-        layers, heads = int(cfg["num_hidden_layers"]), int(cfg["num_attention_heads"])
-        kv_heads = int(cfg.get("num_key_value_heads") or heads)
-        head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
-    except (KeyError, TypeError, ValueError) as e:
-        raise ValueError(f"{name}: config lacks a usable {e} (need num_hidden_layers, num_attention_heads, "
-                         "hidden_size or head_dim)") from e
-    ctx = cfg.get("max_position_embeddings")
-    return KVShape(name, layers, kv_heads, head_dim, int(ctx) if ctx else None)
-
-
-def _gguf_shape(path: str) -> KVShape:
-    from gguf import GGUFReader
-
-    try:
-        reader = GGUFReader(path)
-    except Exception as e:  # noqa: BLE001 - corrupt files fail inside numpy or struct
-        raise ValueError(f"cannot read GGUF metadata from {path}: {e}") from e
-
-    def field(key: str):
-        f = reader.fields.get(key)
-        if f is None:
-            return None
-        value = f.parts[f.data[0]]
-        return bytes(value).decode() if f.types and f.types[0].name == "STRING" else value.tolist()[0]
-
-    arch = field("general.architecture")
-    layers, heads = field(f"{arch}.block_count"), field(f"{arch}.attention.head_count")
-    if layers is None or heads is None:
-        raise ValueError(f"{path}: GGUF metadata lacks {arch}.block_count or {arch}.attention.head_count")
-    kv_heads = field(f"{arch}.attention.head_count_kv") or heads
-    head_dim = field(f"{arch}.attention.key_length") or field(f"{arch}.embedding_length") // heads
-    name = os.path.splitext(os.path.basename(path))[0]
-    return KVShape(name, int(layers), int(kv_heads), int(head_dim), field(f"{arch}.context_length"))
-
-
-def read_shape(model: str | None) -> KVShape:
-    if model is None:
-        from pagedserve.model.loader import default_model_path
-
-        model = default_model_path()
-    path = os.path.abspath(os.path.expanduser(model))
-    if os.path.isdir(path):
-        path = os.path.join(path, "config.json")
-    if not os.path.isfile(path):
-        raise ValueError(f"model not found: {model} (expected a GGUF file, an HF directory or its config.json)")
-    with open(path, "rb") as f:
-        magic = f.read(4)
-    if magic == b"GGUF":
-        return _gguf_shape(path)
-    try:
-        with open(path, encoding="utf-8") as f:
-            cfg = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path} is neither a GGUF file nor a JSON config: {e}") from e
-    if not isinstance(cfg, dict):
-        raise ValueError(f"{path}: expected a JSON object (a Hugging Face config.json)")
-    return _hf_shape(cfg, os.path.basename(os.path.dirname(path)) or path)
+def _kv_dtype(name: str) -> str:
+    kv = kv_dtypes.canonical(name)
+    if kv == "auto":
+        raise ValueError("give the KV element type (--kv-cache-dtype float32, bfloat16, float16, fp8_e4m3 or "
+                         "int8): auto follows the engine's --dtype, which plan does not know")
+    return kv
 
 
 def length_row(seq_len: int, budget_tokens: int, context: int, block_size: int) -> LengthRow:
@@ -137,50 +96,57 @@ def uniform_expectation(budget_tokens: int, context: int, block_size: int) -> di
 
 @dataclass(frozen=True, slots=True)
 class DraftPlan:
-    # --speculative-config's draft_model: its KV cache shares the budget (worker/memory.py does the same).
-    shape: KVShape
+    # --speculative-config's draft_model: its KV cache shares the budget, as in the engine.
+    model: PlanModel
     dtype: str
     num_speculative_tokens: int
     max_num_seqs: int
 
 
-def plan(shape: KVShape, memory_gib: float, context: int | None, block_size: int, dtype: str,
+def _model_dict(name: str, spec: KVCacheSpec, max_context: int | None) -> dict:
+    return {"name": name, "num_layers": spec.num_layers, "num_kv_heads": spec.num_kv_heads,
+            "head_dim": spec.head_dim, "max_context": max_context}
+
+
+def plan(model: PlanModel, memory_gib: float, context: int | None, block_size: int, dtype: str,
          seq_lens: list[int] | None, draft: DraftPlan | None = None) -> dict:
-    if dtype.lower() not in DTYPE_BYTES or (draft and draft.dtype.lower() not in DTYPE_BYTES):
-        raise ValueError(f"unknown --dtype {dtype!r}; one of {', '.join(DTYPE_BYTES)}")
+    from pagedserve.config import CacheConfig
+    from pagedserve.worker.memory import DraftKV, plan_num_blocks
+
     if memory_gib <= 0 or block_size < 1:
         raise ValueError("--memory-gib must be > 0 and --block-size >= 1")
-    context = context or shape.max_context or 4096
-    per_token = _per_token(shape, dtype.lower())
-    budget_bytes = int(memory_gib * GIB)
-    draft_info = None
+    spec = model.kv_spec(block_size, _kv_dtype(dtype))
+    context = context or model.max_context or 4096
+    draft_kv, draft_info = None, None
     if draft is not None:
         from pagedserve.spec_decode.draft_model import num_scratch_blocks
 
         # Every target block has a draft block beside it; scratch blocks per sequence come off the top.
-        draft_per_token = _per_token(draft.shape, draft.dtype.lower())
+        draft_spec = draft.model.kv_spec(block_size, _kv_dtype(draft.dtype))
         scratch = draft.max_num_seqs * num_scratch_blocks(draft.num_speculative_tokens, block_size)
-        budget_bytes -= scratch * block_size * draft_per_token
-        draft_info = {"model": asdict(draft.shape), "dtype": draft.dtype, "kv_bytes_per_token": draft_per_token,
-                      "scratch_blocks": scratch}
-    budget_tokens = max(budget_bytes, 0) // (per_token + (draft_info["kv_bytes_per_token"] if draft else 0))
-    budget_tokens -= budget_tokens % block_size  # the pool holds whole blocks only
+        draft_kv = DraftKV(draft_spec.bytes_per_block, scratch)
+        draft_info = {"model": _model_dict(draft.model.name, draft_spec, draft.model.max_context),
+                      "dtype": draft.dtype, "kv_bytes_per_token": draft_spec.bytes_per_token, "scratch_blocks": scratch}
+    budget_blocks = plan_num_blocks(CacheConfig(block_size=block_size), spec.bytes_per_block, int(memory_gib * GIB),
+                                    draft_kv)
+    budget_tokens = budget_blocks * block_size
     if seq_lens and max(seq_lens) > context:
         raise ValueError(f"--seq-len {max(seq_lens)} exceeds the context of {context} tokens")
     lens = seq_lens or sorted({n for n in (128, 512, 2048, 8192, 32768) if n < context} | {context})
-    return {"model": asdict(shape), "dtype": dtype, "memory_gib": memory_gib, "block_size": block_size,
-            "context": context, "kv_bytes_per_token": per_token, "budget_tokens": budget_tokens,
-            "budget_blocks": budget_tokens // block_size,
+    return {"model": _model_dict(model.name, spec, model.max_context), "dtype": spec.kv_dtype,
+            "memory_gib": memory_gib, "block_size": block_size, "context": context,
+            "kv_bytes_per_token": spec.bytes_per_token, "budget_tokens": budget_tokens, "budget_blocks": budget_blocks,
             "lengths": [asdict(length_row(n, budget_tokens, context, block_size)) for n in lens],
             "uniform_lengths": uniform_expectation(budget_tokens, context, block_size), "draft": draft_info}
 
 
 def format_plan(p: dict) -> str:
-    m, b = p["model"], DTYPE_BYTES[p["dtype"].lower()]
-    kv = ALIASES.get(p["dtype"].lower(), p["dtype"].lower())
-    row = f"({m['head_dim']} x {b} B + {SCALE_BYTES} B scale)" if kv in QUANTIZED else f"{m['head_dim']} x {b} B"
+    m, kv = p["model"], p["dtype"]
+    b = kv_dtypes.ELEMENT_BYTES[kv]
+    row = (f"({m['head_dim']} x {b} B + {kv_dtypes.SCALE_BYTES} B scale)" if kv in kv_dtypes.QUANTIZED
+           else f"{m['head_dim']} x {b} B")
     lines = [f"model          {m['name']}: {m['num_layers']} layers, {m['num_kv_heads']} KV heads x head_dim {m['head_dim']}",
-             f"KV per token   2 x {m['num_layers']} x {m['num_kv_heads']} x {row} ({p['dtype']}) = "
+             f"KV per token   2 x {m['num_layers']} x {m['num_kv_heads']} x {row} ({kv}) = "
              f"{p['kv_bytes_per_token']:,} B ({p['kv_bytes_per_token'] / 1024:.1f} KiB)",
              *([f"draft model    {p['draft']['model']['name']} ({p['draft']['dtype']}): "
                 f"{p['draft']['kv_bytes_per_token']:,} B per token beside each target token, "
@@ -224,8 +190,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.seq_len and min(args.seq_len) < 1:
         raise ValueError("--seq-len values must be >= 1")
     draft = None if args.draft_model is None else DraftPlan(
-        read_shape(args.draft_model), args.draft_dtype, args.num_speculative_tokens, args.max_num_seqs)
-    result = plan(read_shape(args.model), args.memory_gib, args.context, args.block_size, args.dtype, args.seq_len,
+        read_model(args.draft_model), args.draft_dtype, args.num_speculative_tokens, args.max_num_seqs)
+    result = plan(read_model(args.model), args.memory_gib, args.context, args.block_size, args.dtype, args.seq_len,
                   draft)
     print(json.dumps(result, indent=2) if args.json else format_plan(result))
     return 0

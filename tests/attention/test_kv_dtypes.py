@@ -14,8 +14,9 @@ from pagedserve import kv_dtypes
 from pagedserve.attention import kv_quant
 from pagedserve.attention.reference import ReferenceAttentionBackend, gather_kv, write_kv
 from pagedserve.engine.arg_utils import EngineArgs
+from pagedserve.kv_spec import KVCacheSpec
 from pagedserve.quality import greedy_continuation
-from pagedserve.worker.kv_cache import allocate_kv_caches, copy_blocks, kv_bytes_per_block
+from pagedserve.worker.kv_cache import allocate, allocate_kv_caches, copy_blocks
 
 KV_DTYPES = ["float32", "bfloat16", "fp8_e4m3", "int8"]
 # Largest error of one element relative to its row's absolute maximum (int8: half a step of amax / 127) or,
@@ -69,9 +70,10 @@ def test_attention_over_low_precision_cache_close_to_fp32(kv: str, tol: float) -
 
 
 def test_block_copies_move_scales() -> None:
-    dtype = torch.int8
-    caches = allocate_kv_caches(2, 6, 4, 2, 16, dtype, "cpu")
-    assert kv_bytes_per_block(2, 4, 2, 16, dtype) == sum(c.numel() for c in caches) // 6
+    spec = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=16, block_size=4, kv_dtype="int8")
+    caches = allocate(spec, 6, torch.device("cpu"))
+    assert caches[0].dtype == torch.int8
+    assert spec.bytes_per_block == sum(c.numel() * c.element_size() for c in caches) // 6  # scales counted
     x = torch.randn(8, 2, 16) * 5
     for c in caches:
         write_kv(c, x, -x, torch.arange(8))  # blocks 0 and 1

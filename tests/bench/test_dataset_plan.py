@@ -6,7 +6,8 @@ import json
 import pytest
 
 from pagedserve.bench.dataset import DatasetError, WORDS, load_dataset, parse_range, random_requests
-from pagedserve.plan import KVShape, kv_bytes_per_token, length_row, plan, read_shape
+from pagedserve.model.hf_config import HFConfig
+from pagedserve.plan import PlanModel, length_row, plan, read_model
 
 
 def test_random_prompts_are_reproducible_with_a_shared_prefix():
@@ -88,16 +89,20 @@ def test_sharegpt_dataset(tmp_path):
 def test_kv_bytes_match_the_engine_allocator():
     import torch
 
-    from pagedserve.worker.kv_cache import kv_bytes_per_block
+    from pagedserve.worker.kv_cache import allocate
 
-    shape = KVShape("t", num_layers=30, num_kv_heads=3, head_dim=64, max_context=8192)
-    assert kv_bytes_per_token(shape, 4) == 2 * 30 * 3 * 64 * 4
-    assert kv_bytes_per_token(shape, 4) * 16 == kv_bytes_per_block(30, 16, 3, 64, torch.float32)
+    # Grouped-query attention with a head_dim the config states (not hidden / heads = 32).
+    model = PlanModel("t", HFConfig(num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                                    hidden_size=288, head_dim=64, max_position_embeddings=8192))
+    assert plan(model, 1, None, 16, "float32", None)["kv_bytes_per_token"] == 2 * 30 * 3 * 64 * 4
     # The 8-bit kinds carry a float32 scale per token, head and K/V: plan counts what the allocator takes.
-    for name, dtype in (("int8", torch.int8), ("fp8_e4m3", torch.float8_e4m3fn), ("bfloat16", torch.bfloat16)):
-        per_token = plan(shape, 1, None, 16, name, None)["kv_bytes_per_token"]
-        assert per_token * 16 == kv_bytes_per_block(30, 16, 3, 64, dtype)
-    assert plan(shape, 1, None, 16, "int8", None)["kv_bytes_per_token"] == 2 * 30 * 3 * (64 + 4) == 12240
+    for name in ("int8", "fp8_e4m3", "bfloat16", "float32"):
+        per_token = plan(model, 1, None, 16, name, None)["kv_bytes_per_token"]
+        caches = allocate(model.kv_spec(16, name), 2, torch.device("cpu"))
+        assert per_token * 16 * 2 == sum(c.numel() * c.element_size() for c in caches)
+    assert plan(model, 1, None, 16, "int8", None)["kv_bytes_per_token"] == 2 * 30 * 3 * (64 + 4) == 12240
+    with pytest.raises(ValueError, match="auto follows"):
+        plan(model, 1, None, 16, "auto", None)
 
 
 def test_paged_versus_contiguous_counts():
@@ -109,21 +114,21 @@ def test_paged_versus_contiguous_counts():
 
 
 def test_plan_from_hf_config(tmp_path):
-    cfg = {"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "hidden_size": 4096,
-           "max_position_embeddings": 8192}
+    cfg = {"model_type": "llama", "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+           "hidden_size": 4096, "max_position_embeddings": 8192}
     f = tmp_path / "config.json"
     f.write_text(json.dumps(cfg))
-    p = plan(read_shape(str(tmp_path)), memory_gib=16, context=None, block_size=16, dtype="float16", seq_lens=[1000])
+    p = plan(read_model(str(tmp_path)), memory_gib=16, context=None, block_size=16, dtype="float16", seq_lens=[1000])
     assert p["kv_bytes_per_token"] == 2 * 32 * 8 * 128 * 2 == 131072  # Llama-3-8B: 128 KiB per token
     assert p["budget_tokens"] == 16 * 2**30 // 131072 == 131072
     assert p["lengths"][0]["contiguous_seqs"] == 16 and p["lengths"][0]["paged_seqs"] == 8192 // 63
     with pytest.raises(ValueError, match="exceeds the context"):
-        plan(read_shape(str(f)), 16, None, 16, "float16", [9000])
+        plan(read_model(str(f)), 16, None, 16, "float16", [9000])
     f.write_text("{}")
-    with pytest.raises(ValueError, match="config lacks"):
-        read_shape(str(f))
+    with pytest.raises(ValueError, match="cannot read config.json"):
+        read_model(str(f))
 
 
 def test_plan_from_the_embedded_gguf():
-    shape = read_shape(None)
-    assert (shape.num_layers, shape.num_kv_heads, shape.head_dim, shape.max_context) == (30, 3, 64, 8192)
+    m = plan(read_model(None), 1, None, 16, "float32", None)["model"]
+    assert (m["num_layers"], m["num_kv_heads"], m["head_dim"], m["max_context"]) == (30, 3, 64, 8192)

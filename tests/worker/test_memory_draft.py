@@ -6,7 +6,7 @@ import torch
 
 from pagedserve import LLM
 from pagedserve.config import CacheConfig
-from pagedserve.worker.kv_cache import KVCacheSpec
+from pagedserve.kv_spec import KVCacheSpec
 from pagedserve.worker.memory import DraftKV, kv_budget_bytes, plan_num_blocks, plan_num_host_blocks
 from tests.spec_decode.test_draft_model import draft_config, tiny  # noqa: F401  (fixture)
 
@@ -44,11 +44,11 @@ def test_engine_budget_includes_the_draft_kv(tiny):  # noqa: F811
 
 
 def test_pagedserve_plan_counts_the_draft_like_the_engine(tiny):  # noqa: F811
-    from pagedserve.plan import DraftPlan, plan, read_shape
+    from pagedserve.plan import DraftPlan, plan, read_model
 
     # The same numbers as the engine test above: 816 blocks of 4 tokens.
-    p = plan(read_shape(tiny["target"]), (1 << 20) / (1 << 30), None, 4, "float32", [16],
-             DraftPlan(read_shape(tiny["draft"]), "bfloat16", 4, 8))
+    p = plan(read_model(tiny["target"]), (1 << 20) / (1 << 30), None, 4, "float32", [16],
+             DraftPlan(read_model(tiny["draft"]), "bfloat16", 4, 8))
     assert p["budget_blocks"] == 816 and p["draft"]["scratch_blocks"] == 16
-    assert plan(read_shape(tiny["target"]), (1 << 20) / (1 << 30), None, 4, "float32", [16])["budget_blocks"] == 1024
+    assert plan(read_model(tiny["target"]), (1 << 20) / (1 << 30), None, 4, "float32", [16])["budget_blocks"] == 1024
     assert p["kv_bytes_per_token"] == 2 * 2 * 16 * 4 and p["draft"]["kv_bytes_per_token"] == 2 * 1 * 16 * 2

@@ -14,7 +14,8 @@ from torch import nn
 from pagedserve.attention.backend import AttentionBackend
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.distributed.parallel_state import TensorParallelGroup
-from pagedserve.model.family import DecoderFamily, head_dim_of
+from pagedserve.kv_spec import head_dim_of, num_kv_heads_of
+from pagedserve.model.family import DecoderFamily
 from pagedserve.model.layers.activation import GeluTanhAndMul, SiluAndMul
 from pagedserve.model.layers.linear import Linear
 from pagedserve.model.layers.norm import RMSNorm
@@ -32,7 +33,7 @@ class LlamaAttention(nn.Module):
         super().__init__()
         hidden = hf_config.hidden_size
         self.num_heads = hf_config.num_attention_heads
-        self.num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or self.num_heads
+        self.num_kv_heads = num_kv_heads_of(hf_config)
         self.head_dim = head_dim_of(hf_config)
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_attention_heads {self.num_heads} is not a multiple of "

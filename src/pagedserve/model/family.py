@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
+from pagedserve.kv_spec import head_dim_of, num_kv_heads_of
 from pagedserve.model.layers.rotary import rotary_dim
 
 # The model types whose switches the config does not spell out.
@@ -52,10 +53,6 @@ class DecoderFamily:
         # The compiled decoder stack (layers/decoder_stack.py) implements only the plain Llama layer.
         return not (self.qk_norm or self.sandwich_norms or self.gelu_tanh or self.partial_rotary
                     or self.attn_logit_softcap is not None or len(set(self.layer_rope)) > 1)
-
-
-def head_dim_of(hf_config) -> int:
-    return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
 
 
 def activation_name(hf_config) -> str:
@@ -112,7 +109,7 @@ def split_fused_weights(weights: Iterable[tuple[str, object]], hf_config) -> Ite
     # lazy safetensors slices are read only there.
     head_dim = head_dim_of(hf_config)
     q_rows = hf_config.num_attention_heads * head_dim
-    kv_rows = (getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads) * head_dim
+    kv_rows = num_kv_heads_of(hf_config) * head_dim
     part_rows = {"qkv_proj": (q_rows, kv_rows, kv_rows),
                  "gate_up_proj": (hf_config.intermediate_size, hf_config.intermediate_size)}
     for name, weight in weights:

@@ -13,6 +13,7 @@ import logging
 import numpy as np
 import torch
 
+from pagedserve.kv_spec import num_kv_heads_of
 from pagedserve.model.gguf_config import FAMILY_ARCHITECTURES
 from pagedserve.model.gguf_file import GGUFFile
 from pagedserve.model.layers.gguf_quant import GGUF_BLOCK_TYPES, GGUFWeight, concat_rows, gguf_dequantize, row_bytes
@@ -86,7 +87,7 @@ def _qk_heads(arch: str, name: str, hf_config) -> int | None:
     if arch != "llama" or not name.endswith(("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")):
         return None
     num_heads = hf_config.num_attention_heads
-    return num_heads if "q_proj" in name else (getattr(hf_config, "num_key_value_heads", None) or num_heads)
+    return num_heads if "q_proj" in name else num_kv_heads_of(hf_config)
 
 
 def dense_tensors(tensors, arch: str, hf_config, path: str):

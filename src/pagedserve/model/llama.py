@@ -23,8 +23,9 @@ from torch import nn
 from pagedserve.attention.backend import AttentionBackend
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.distributed.parallel_state import TensorParallelGroup
+from pagedserve.kv_spec import head_dim_of
 from pagedserve.model.decoder_layer import LlamaDecoderLayer
-from pagedserve.model.family import DecoderFamily, decoder_family, head_dim_of, split_fused_weights
+from pagedserve.model.family import DecoderFamily, decoder_family, split_fused_weights
 from pagedserve.model.layers.decoder_stack import DecoderStack
 from pagedserve.model.layers.linear import Linear, pack_linear_weights, pack_weight, packed_linear
 from pagedserve.model.layers.norm import RMSNorm

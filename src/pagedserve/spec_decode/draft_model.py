@@ -33,13 +33,15 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pagedserve.attention.kv_quant import storage_dtype
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.config import SpeculativeConfig
+from pagedserve.kv_spec import KVCacheSpec
 from pagedserve.model.loader import LoadedModel, load_model
 from pagedserve.model.weight_quant import apply_quantization, resolve_quantization
 from pagedserve.sample.sampler import SamplingBatch, draw, random_probs
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.worker.kv_cache import KVCacheSpec
+from pagedserve.worker.kv_cache import allocate
 
 
 def draft_dtype(spec: SpeculativeConfig, target_dtype: torch.dtype) -> torch.dtype:
@@ -96,7 +98,7 @@ class DraftModel:
                  max_model_len: int, device: torch.device, prefault: bool = True) -> None:
         hf = loaded.hf_config
         self.model = loaded.model
-        self.dtype = kv_spec.dtype  # the draft's KV is stored in its model dtype
+        self.dtype = storage_dtype(kv_spec.kv_dtype)  # the draft's KV is stored in its model dtype
         self.quantization = loaded.quantization
         self.vocab_size = hf.vocab_size
         self.k = k
@@ -107,7 +109,7 @@ class DraftModel:
         # Proposing reaches k positions past the step's last allocated slot: ceil(k / bs) + 1 scratch blocks
         # per row cover it wherever the row's last block ends.
         self.num_scratch = num_scratch_blocks(k, block_size)
-        self.kv_caches = kv_spec.allocate(num_blocks + max_num_reqs * self.num_scratch, device, prefault)
+        self.kv_caches = allocate(kv_spec, num_blocks + max_num_reqs * self.num_scratch, device, prefault)
         self.host_caches: list[torch.Tensor] = []
         self._proposals: dict[str, _Proposal] = {}
         self._valid: dict[str, int] = {}  # per request: the draft's K/V is valid below this position

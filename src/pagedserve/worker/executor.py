@@ -16,8 +16,8 @@ import torch
 from pagedserve.config import EngineConfig
 from pagedserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagedserve.distributed.parallel_state import TensorParallelGroup
+from pagedserve.kv_spec import KVCacheSpec
 from pagedserve.model.loader import LoadedModel
-from pagedserve.worker.kv_cache import KVCacheSpec
 from pagedserve.worker.memory import DraftKV
 from pagedserve.worker.model_runner import ModelRunner
 from pagedserve.worker.worker import KVCacheConfig, Worker

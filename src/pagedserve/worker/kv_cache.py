@@ -6,68 +6,32 @@ block pool; this module only owns the memory. An 8-bit cache (--kv-cache-dtype i
 allocated with its storage dtype and rows of head_dim + 4 elements, the last 4 a float32 scale
 (attention/kv_quant.py); block copies move scales with their rows.
 
-A model's KV geometry on one device or tensor-parallel rank is a KVCacheSpec, computed by kv_cache_spec()
-from the model's config and nowhere else; the target, the draft model and every rank allocate through it.
+A model's KV geometry on one device or tensor-parallel rank is a KVCacheSpec (kv_spec.py, torch-free); the
+target, the draft model and every rank allocate through allocate() / allocate_host() with it.
 """
 from __future__ import annotations
 
 import math
 import mmap
-from dataclasses import dataclass
 
 import torch
 
-from pagedserve import kv_dtypes
 from pagedserve.attention.kv_quant import row_width, storage_dtype
-from pagedserve.model.family import head_dim_of
+from pagedserve.kv_spec import KVCacheSpec
 from pagedserve.worker.kv_offload import write_blocks
 
 
-@dataclass(frozen=True, slots=True)
-class KVCacheSpec:
-    # One model's paged KV cache on one device or rank: per layer [2, num_blocks, block_size, num_kv_heads,
-    # row], row = head_dim (+ a float32 scale for the 8-bit kinds).
-    num_layers: int
-    num_kv_heads: int  # this rank's share of the model's KV heads
-    head_dim: int
-    block_size: int
-    kv_dtype: str      # a kv_dtypes name ("float32", "bfloat16", "int8", ...)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return storage_dtype(self.kv_dtype)
-
-    @property
-    def bytes_per_token(self) -> int:
-        return kv_dtypes.bytes_per_token(self.kv_dtype, self.num_layers, self.num_kv_heads, self.head_dim)
-
-    @property
-    def bytes_per_block(self) -> int:
-        return kv_bytes_per_block(self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.dtype)
-
-    def allocate(self, num_blocks: int, device: torch.device, prefault: bool = True) -> list[torch.Tensor]:
-        return allocate_kv_caches(self.num_layers, num_blocks, self.block_size, self.num_kv_heads, self.head_dim,
-                                  self.dtype, device, prefault)
-
-    def allocate_host(self, num_blocks: int, device: torch.device) -> list[torch.Tensor]:
-        # The swap pool for a cache on `device`: empty when there is no swap space.
-        if not num_blocks:
-            return []
-        return allocate_host_caches(self.num_layers, num_blocks, self.block_size, self.num_kv_heads,
-                                    self.head_dim, self.dtype, device)
+def allocate(spec: KVCacheSpec, num_blocks: int, device: torch.device, prefault: bool = True) -> list[torch.Tensor]:
+    return allocate_kv_caches(spec.num_layers, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim,
+                              storage_dtype(spec.kv_dtype), device, prefault)
 
 
-def kv_cache_spec(hf_config, block_size: int, kv_dtype: str, tp_size: int = 1) -> KVCacheSpec:
-    # Each tensor-parallel rank holds its num_kv_heads / tp_size heads of every block (the heads divide:
-    # distributed/parallel_state.check_divisible).
-    return KVCacheSpec(hf_config.num_hidden_layers, hf_config.num_key_value_heads // tp_size,
-                       head_dim_of(hf_config), block_size, kv_dtype)
-
-
-def kv_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
-                       dtype: torch.dtype) -> int:
-    elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * num_layers * block_size * num_kv_heads * row_width(dtype, head_dim) * elem
+def allocate_host(spec: KVCacheSpec, num_blocks: int, device: torch.device) -> list[torch.Tensor]:
+    # The swap pool for a cache on `device`: empty when there is no swap space.
+    if not num_blocks:
+        return []
+    return allocate_host_caches(spec.num_layers, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim,
+                                storage_dtype(spec.kv_dtype), device)
 
 
 def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,

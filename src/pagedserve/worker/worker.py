@@ -27,7 +27,8 @@ from pagedserve.spec_decode.acceptance import AcceptanceTracker
 from pagedserve.spec_decode.draft_model import (DraftModel, check_same_vocab, draft_dtype, load_draft,
                                                  num_scratch_blocks)
 from pagedserve.spec_decode.proposer import make_proposer
-from pagedserve.worker.kv_cache import KVCacheSpec, kv_cache_spec
+from pagedserve.kv_spec import KVCacheSpec, kv_cache_spec
+from pagedserve.worker.kv_cache import allocate, allocate_host
 from pagedserve.worker.kv_offload import read_blocks
 from pagedserve.worker.memory import DraftKV, kv_budget_bytes
 from pagedserve.worker.model_runner import ModelRunner
@@ -96,16 +97,16 @@ class Worker:
     def initialize(self, kv: KVCacheConfig) -> None:
         cfg, dev = self.config, self.device
         spec = self.kv_cache_spec()
-        runner = ModelRunner(self.loaded.model, spec.allocate(kv.num_blocks, dev, cfg.cache.prefault_kv_cache), spec.block_size,
+        runner = ModelRunner(self.loaded.model, allocate(spec, kv.num_blocks, dev, cfg.cache.prefault_kv_cache), spec.block_size,
                              self.loaded.hf_config.vocab_size, dev, cfg.scheduler.max_num_seqs, kv.max_model_len,
                              cfg.model.seed, driver=self.is_driver)
-        runner.host_caches = spec.allocate_host(kv.num_host_blocks, dev)
+        runner.host_caches = allocate_host(spec, kv.num_host_blocks, dev)
         if self.draft is not None:
             draft_spec = self.draft_kv_spec()
             runner.drafter = DraftModel(self.draft, cfg.speculative.num_speculative_tokens, kv.num_blocks,
                                         draft_spec, cfg.scheduler.max_num_seqs, kv.max_model_len, dev,
                                         cfg.cache.prefault_kv_cache)
-            runner.drafter.host_caches = draft_spec.allocate_host(kv.num_host_blocks, dev)
+            runner.drafter.host_caches = allocate_host(draft_spec, kv.num_host_blocks, dev)
         self.proposer = make_proposer(cfg.speculative) if self.is_driver else None
         self.acceptance = AcceptanceTracker.from_config(cfg.speculative) if self.is_driver else None
         if self.acceptance is not None:
