@@ -28,6 +28,7 @@ from pagedserve.spec_decode.draft_model import (DraftModel, check_same_vocab, dr
                                                  num_scratch_blocks)
 from pagedserve.spec_decode.proposer import make_proposer
 from pagedserve.kv_spec import KVCacheSpec, kv_cache_spec
+from pagedserve.worker.gemm_caches import bound_gemm_caches
 from pagedserve.worker.kv_cache import allocate, allocate_host
 from pagedserve.worker.kv_offload import read_blocks
 from pagedserve.worker.memory import DraftKV, kv_budget_bytes
@@ -57,6 +58,7 @@ class Worker:
         self.proposer = None  # n-gram drafts (spec_decode/ngram_proposer.py); the draft model runs in the runner
         # Requests whose drafts are rarely accepted stop getting any (disable_by_acceptance_rate); rank 0 only.
         self.acceptance: AcceptanceTracker | None = None
+        bound_gemm_caches()  # before the first forward (worker/gemm_caches.py)
 
     def load_model(self) -> LoadedModel:
         m = self.config.model
