@@ -64,6 +64,11 @@ class EngineCoreOutput:
         return self.finish_reason is not None
 
 
+def describe_error(exc: BaseException) -> str:
+    # How a failure reads in a request's error, a log line or another rank's answer: "ValueError: message".
+    return f"{type(exc).__name__}: {exc}"
+
+
 class EngineError(RuntimeError):
     """A request failed inside the engine; the engine itself keeps serving."""
 

@@ -244,8 +244,7 @@ class KVCacheManager:
     def _disk_record(self, req: Request, hashes: list[BlockHash], i: int, block_id: int) -> DiskRecord:
         bs = self.block_size
         return DiskRecord(block_id, hashes[i], hashes[i - 1] if i else None,
-                          tuple(req.all_token_ids[i * bs:(i + 1) * bs]),
-                          (req.cache_salt,) if i == 0 and req.cache_salt is not None else None)
+                          tuple(req.all_token_ids[i * bs:(i + 1) * bs]), _extra_keys(req, i))
 
     def take_disk_stores(self) -> list[DiskRecord]:
         # Blocks cached since the last call: the worker copies them out for the disk before the next plan
@@ -264,14 +263,13 @@ class KVCacheManager:
         # One BlockStored per run of blocks this call added; a block whose hash another block already holds
         # (two requests computed the same prefix at once) was not added, and its run ends there.
         bs = self.block_size
-        salt_keys = None if req.cache_salt is None else (req.cache_salt,)
         for was_added, run in groupby(range(start, start + len(added)), key=lambda k: added[k - start]):
             if not was_added:
                 continue
             run = list(run)
             i, j = run[0], run[-1] + 1
             self.pool.events.stored(hashes[i:j], hashes[i - 1] if i else None, req.all_token_ids[i * bs:j * bs],
-                                    [salt_keys if k == 0 else None for k in run])
+                                    [_extra_keys(req, k) for k in run])
 
     def free(self, req: Request, finished: bool = True) -> None:
         blocks = self.req_blocks.pop(req.req_id, [])
@@ -282,3 +280,9 @@ class KVCacheManager:
         self.num_cached_blocks.pop(req.req_id, None)
         if finished:
             self.req_hashes.pop(req.req_id, None)
+
+
+def _extra_keys(req: Request, i: int) -> tuple[str, ...] | None:
+    # What a KV event (pool or disk) reports beside block i's tokens: the request's cache_salt, in its first
+    # block's key only (block_pool.salt_key).
+    return (req.cache_salt,) if i == 0 and req.cache_salt is not None else None

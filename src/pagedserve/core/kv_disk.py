@@ -179,9 +179,7 @@ class DiskKVStore:
         return None
 
     def _remove(self, path: str) -> bool:
-        try:
-            os.unlink(path)
-        except OSError:
+        if not _unlink(path):
             return False
         if self.events is not None:
             self.events.removed([bytes.fromhex(os.path.basename(path).removesuffix(SUFFIX))])
@@ -242,10 +240,7 @@ class DiskKVStore:
                 f.write(payload)
             os.replace(tmp, path)
         except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
+            _unlink(tmp)
             raise
         size = _HEADER.size + len(payload)
         self.stats.num_stored_blocks += 1
@@ -299,6 +294,7 @@ def _flush_at_exit(ref: weakref.ref) -> None:
 
 
 def _unlink(path: str) -> bool:
+    # False when it was not there (another replica removed it) or cannot be removed.
     try:
         os.unlink(path)
         return True

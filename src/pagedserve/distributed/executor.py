@@ -39,8 +39,8 @@ from pagedserve.config import EngineConfig
 from pagedserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagedserve.distributed.parallel_state import (TensorParallelGroup, check_divisible, destroy_tensor_parallel,
                                                    init_tensor_parallel)
-from pagedserve.distributed.rank_process import describe, run_worker
-from pagedserve.messages import EngineDeadError
+from pagedserve.distributed.rank_process import run_worker
+from pagedserve.messages import EngineDeadError, describe_error
 from pagedserve.model.loader import read_config, resolve_model_dir
 from pagedserve.worker.executor import Executor
 from pagedserve.worker.worker import KVCacheConfig
@@ -182,7 +182,7 @@ class MultiprocExecutor(Executor):
             super().apply_plan(plan)
         except Exception as exc:
             # Rank 0's batch has part of the plan and the others none of it: the ranks cannot agree again.
-            raise self._die(f"rank 0 failed to apply a plan: {describe(exc)}") from exc
+            raise self._die(f"rank 0 failed to apply a plan: {describe_error(exc)}") from exc
         # Only rank 0 samples: the grammar bitmask (KBs a constrained request) stays here.
         self._plan = plan if plan.grammar is None else dataclasses.replace(plan, grammar=None)
 
@@ -201,9 +201,10 @@ class MultiprocExecutor(Executor):
             result = local()
         except Exception as exc:  # noqa: BLE001 (classified below against the workers' answers)
             errors = self._answers(answer_wait_s(self.timeout_s), cause=exc)
-            if all(e == describe(exc) for e in errors):
+            if all(e == describe_error(exc) for e in errors):
                 raise  # the same failure everywhere: the request's, not the group's
-            raise self._die(f"rank 0 failed with {describe(exc)} while the other ranks answered {errors}") from exc
+            raise self._die(f"rank 0 failed with {describe_error(exc)} while the other ranks answered "
+                            f"{errors}") from exc
         errors = self._answers(answer_wait_s(self.timeout_s))
         if any(errors):
             raise self._die(f"rank {1 + next(i for i, e in enumerate(errors) if e)} failed in {method}: "
@@ -219,7 +220,7 @@ class MultiprocExecutor(Executor):
             try:
                 conn.send((method, args))
             except (OSError, ValueError) as exc:
-                raise self._die(f"tensor-parallel rank {rank} is gone ({describe(exc)})") from exc
+                raise self._die(f"tensor-parallel rank {rank} is gone ({describe_error(exc)})") from exc
 
     def _answers(self, wait_s: float, cause: BaseException | None = None) -> list[str | None]:
         # One answer per worker: None for ok, else its error message.
@@ -235,7 +236,7 @@ class MultiprocExecutor(Executor):
             try:
                 status, message = conn.recv()
             except (EOFError, OSError) as exc:
-                raise self._die(f"tensor-parallel rank {rank} closed its pipe ({describe(exc)})") from exc
+                raise self._die(f"tensor-parallel rank {rank} closed its pipe ({describe_error(exc)})") from exc
             out.append(None if status == "ok" else message)
         return out
 

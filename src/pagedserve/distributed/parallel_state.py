@@ -66,6 +66,16 @@ def destroy_tensor_parallel() -> None:
         dist.destroy_process_group()
 
 
+def bind_rank(config, rank: int) -> torch.device:
+    # This process's share of the host's threads and its device (cuda:rank on GPUs with tensor parallelism):
+    # rank 0 in the engine process (engine/core.py), ranks 1..N-1 in their own (distributed/rank_process.py).
+    tp_size = config.parallel.tensor_parallel_size
+    if config.device.num_threads or tp_size > 1:
+        torch.set_num_threads(threads_per_rank(config.device.num_threads, tp_size))
+    device = torch.device(config.device.resolve())
+    return device if tp_size == 1 else rank_device(device, rank)
+
+
 def threads_per_rank(num_threads: int | None, world_size: int) -> int:
     # The ranks share the host's cores: split them, at least one each (2 cores, TP=2: one thread per rank).
     if num_threads is not None:

@@ -25,17 +25,11 @@ import threading
 import time
 from multiprocessing.connection import Connection
 
-import torch
-
 from pagedserve.config import EngineConfig
-from pagedserve.distributed.parallel_state import (destroy_tensor_parallel, init_tensor_parallel, rank_device,
-                                                   threads_per_rank)
+from pagedserve.distributed.parallel_state import bind_rank, destroy_tensor_parallel, init_tensor_parallel
+from pagedserve.messages import describe_error
 
 logger = logging.getLogger(__name__)
-
-
-def describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"
 
 
 HEARTBEAT_INTERVAL_S = 0.5
@@ -66,15 +60,13 @@ def _serve(rank: int, config: EngineConfig, init_method: str, conn: Connection) 
     from pagedserve.worker.worker import Worker
 
     par = config.parallel
-    world_size = par.tensor_parallel_size
-    torch.set_num_threads(threads_per_rank(config.device.num_threads, world_size))
-    device = rank_device(torch.device(config.device.resolve()), rank)
-    tp = init_tensor_parallel(rank, world_size, init_method, device, par.distributed_timeout_s)
+    device = bind_rank(config, rank)
+    tp = init_tensor_parallel(rank, par.tensor_parallel_size, init_method, device, par.distributed_timeout_s)
     worker = Worker(config, device, tp)
     try:
         worker.load_model()
     except Exception as exc:  # noqa: BLE001 (rank 0 hits the same error and reports it)
-        conn.send(("error", describe(exc)))
+        conn.send(("error", describe_error(exc)))
         return
     conn.send(("ok", None))
     while True:
@@ -92,6 +84,6 @@ def _serve(rank: int, config: EngineConfig, init_method: str, conn: Connection) 
                 worker.execute_model(*args)
         except Exception as exc:  # noqa: BLE001 (reported to rank 0, which decides)
             logger.exception("rank %d: %s failed", rank, method)
-            conn.send(("error", describe(exc)))
+            conn.send(("error", describe_error(exc)))
             continue
         conn.send(("ok", None))

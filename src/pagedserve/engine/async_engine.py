@@ -30,7 +30,7 @@ from pagedserve.malloc import release_free_memory
 from pagedserve.niceness import yield_cpu_to_the_engine
 from pagedserve.metrics.stats import SpecDecodingStats
 from pagedserve.engine.output_stream import OutputStream
-from pagedserve.messages import EngineClosedError, EngineDeadError, EngineError, RequestConstraintError
+from pagedserve.messages import EngineClosedError, EngineDeadError, EngineError, RequestConstraintError, describe_error
 from pagedserve.core.kv_snapshot import KVState, capture_kv_state
 from pagedserve.engine.processor import ChatPrompt, Processor, PromptInput
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams
@@ -427,7 +427,7 @@ class AsyncLLMEngine:
             except Exception as exc:  # noqa: BLE001 (a bug outside any one request: fail them, keep serving)
                 logger.exception("engine step failed; failing every request in flight")
                 core.finish_requests(list(core.scheduler.requests))
-                self._to_loop(self._fail_streams, f"engine step failed: {type(exc).__name__}: {exc}", False)
+                self._to_loop(self._fail_streams, f"engine step failed: {describe_error(exc)}", False)
                 continue
             finally:
                 self._last_step_s = time.monotonic() - self._busy_since

@@ -28,10 +28,10 @@ from pagedserve.core.kv_events import KVEventCollector
 from pagedserve.core.request import Request, RequestStatus
 from pagedserve.core.scheduler import Scheduler
 from pagedserve.core.scheduler_output import ModelRunnerOutput, PromptLogprobsChunk, SchedulerOutput
-from pagedserve.distributed.parallel_state import rank_device, threads_per_rank
+from pagedserve.distributed.parallel_state import bind_rank
 from pagedserve.engine.kv_event_publisher import make_publisher
 from pagedserve.messages import (EngineCoreOutput, EngineCoreRequest, EngineDeadError, RequestConstraintError,
-                                 SampledLogprobs)
+                                 SampledLogprobs, describe_error)
 from pagedserve.metrics.stats import EngineStats, RequestStats
 from pagedserve.model.dtypes import resolve_engine_dtypes
 from pagedserve.structured_output.manager import StructuredOutputManager
@@ -52,10 +52,7 @@ class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         t0 = time.perf_counter()
         config = self.config = resolve_engine_dtypes(config)
-        tp_size = config.parallel.tensor_parallel_size
-        device = torch.device(config.device.resolve())
-        if config.device.num_threads or tp_size > 1:
-            torch.set_num_threads(threads_per_rank(config.device.num_threads, tp_size))
+        device = bind_rank(config, 0)
         self.kv, self.kv_event_publisher = None, None
         self.executor = make_executor(config, device)
         try:
@@ -288,10 +285,10 @@ class EngineCore:
             raise  # no step can run any more: not a request's failure
         except Exception as exc:  # noqa: BLE001 (contained below, per request)
             if len(scheduled) == 1:
-                failures.errors[next(iter(scheduled))] = _describe(exc)
+                failures.errors[next(iter(scheduled))] = describe_error(exc)
                 return ModelRunnerOutput([], [])
             logger.warning("a step of %d requests failed (%s); running them one at a time",
-                           len(scheduled), _describe(exc))
+                           len(scheduled), describe_error(exc))
         parts: list[ModelRunnerOutput] = []
         for req_id, num_tokens in scheduled.items():
             try:
@@ -300,7 +297,7 @@ class EngineCore:
                 raise
             except Exception as exc:  # noqa: BLE001
                 logger.exception("request %s failed inside a step", req_id)
-                failures.errors[req_id] = _describe(exc)
+                failures.errors[req_id] = describe_error(exc)
         return ModelRunnerOutput.merge(parts)
 
 
@@ -326,8 +323,4 @@ def make_executor(config: EngineConfig, device: torch.device) -> Executor:
         raise ValueError("speculative method 'draft_model' does not support tensor_parallel_size > 1 yet")
     from pagedserve.distributed.executor import MultiprocExecutor  # spawns processes: only when asked for
 
-    return MultiprocExecutor(config, rank_device(device, 0))
-
-
-def _describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"
+    return MultiprocExecutor(config, device)

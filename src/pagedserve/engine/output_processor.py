@@ -13,7 +13,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedserve.messages import EngineCoreOutput
+from pagedserve.messages import EngineCoreOutput, describe_error
 from pagedserve.engine.detokenizer import IncrementalDetokenizer
 from pagedserve.engine.logprobs import TokenTexts, extend_prompt_logprobs, logprob_entry
 from pagedserve.engine.processor import ProcessedRequest
@@ -117,14 +117,14 @@ class OutputProcessor:
                     touched[state.request_id] = state
             except Exception as exc:  # noqa: BLE001 (this request fails, the others go on)
                 logger.exception("output processing failed for request %s", state.request_id)
-                self._fail(state, f"{type(exc).__name__}: {exc}" if out.error is None else out.error, result)
+                self._fail(state, describe_error(exc) if out.error is None else out.error, result)
                 touched.pop(state.request_id, None)
         for state in touched.values():
             try:
                 out = self._make_output(state)
             except Exception as exc:  # noqa: BLE001
                 logger.exception("output processing failed for request %s", state.request_id)
-                self._fail(state, f"{type(exc).__name__}: {exc}", result)
+                self._fail(state, describe_error(exc), result)
                 continue
             if state.finished:
                 self.requests.pop(state.request_id, None)

@@ -17,7 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pagedserve import __version__
 from pagedserve.engine.async_engine import AsyncLLMEngine
 from pagedserve.engine.processor import ChatPrompt
-from pagedserve.messages import EngineClosedError, EngineError
+from pagedserve.messages import EngineClosedError, EngineError, describe_error
 from pagedserve.metrics.prometheus import PrometheusMetrics
 from pagedserve.server.limits import (HEALTH_MAX_STALL_S, MAX_REQUEST_BODY_SIZE, MAX_SAMPLES_PER_REQUEST,
                                      MAX_SEQUENCES_PER_REQUEST, SHUTDOWN_TIMEOUT_S)
@@ -91,7 +91,7 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def _unhandled(_: Request, exc: Exception) -> Response:
         # Starlette's last resort: without this a bug answers a plain-text 500 that OpenAI clients cannot parse.
         # (Starlette still re-raises afterwards, so the traceback reaches the log.)
-        return OpenAIError(f"internal server error: {type(exc).__name__}: {exc}", 500).response()
+        return OpenAIError(f"internal server error: {describe_error(exc)}", 500).response()
 
 
 def build_app(engine: AsyncLLMEngine, args: Any) -> FastAPI:

@@ -10,6 +10,7 @@ from pydantic import BaseModel
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from pagedserve.messages import describe_error
 from pagedserve.server.errors import OpenAIError
 
 logger = logging.getLogger(__name__)
@@ -57,7 +58,7 @@ async def _ended_properly(content: AsyncIterator[str]) -> AsyncIterator[str]:
             yield chunk
     except Exception as exc:  # noqa: BLE001
         logger.exception("a streaming response failed")
-        yield OpenAIError(f"internal server error: {type(exc).__name__}: {exc}", 500).sse_payload()
+        yield OpenAIError(f"internal server error: {describe_error(exc)}", 500).sse_payload()
         yield SSE_DONE
 
 

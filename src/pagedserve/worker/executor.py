@@ -67,9 +67,5 @@ class Executor:
     def execute_model(self, num_scheduled_tokens: dict[str, int], propose_drafts: bool = True) -> ModelRunnerOutput:
         return self.worker.execute_model(num_scheduled_tokens, propose_drafts)
 
-    def execute(self, plan: SchedulerOutput, propose_drafts: bool = True) -> ModelRunnerOutput:
-        self.apply_plan(plan)
-        return self.execute_model(plan.num_scheduled_tokens, propose_drafts)
-
     def shutdown(self) -> None:
         pass  # one worker in this process holds nothing that needs stopping
