@@ -291,9 +291,13 @@ class StructuredOutputsConfig:
     # A grammar that compiles for longer than this is refused (a 400 on the server); compiles run off the
     # engine thread, so until then the request only waits, and nobody else does.
     compile_timeout_s: float = 10.0
-    cache_size: int = 256  # compiled grammars kept, keyed by their spec
-    # ... and at most this much of their memory (xgrammar's own estimate): one 20,000-value enum keeps ~100 MB.
-    cache_memory_bytes: int = 512 << 20
+    # Compiled grammars kept, keyed by their spec, least recently used out: at most cache_size of them and
+    # cache_memory_bytes of their memory by xgrammar's estimate (the most recent one stays even when larger).
+    # A small schema's grammar is ~0.1 MB by the estimate, ~0.28 MB resident (embedded model's 49K vocabulary):
+    # 64 of them ~18 MB; one 20,000-value enum ~100 MB. Sized so a server serving many distinct schemas stays
+    # within 50 MB of its start-up memory (benchmarks/memory_soak.py).
+    cache_size: int = 64
+    cache_memory_bytes: int = 64 << 20
 
     def __post_init__(self) -> None:
         if not self.compile_timeout_s > 0:

@@ -38,6 +38,20 @@ def test_cache_is_bounded_by_memory():
     svc.shutdown()
 
 
+def test_a_grammar_larger_than_the_bound_stays_until_the_next():
+    svc = service(cache_memory_bytes=1)  # every grammar is larger
+    big = svc.compile(choices(40))
+    grammar = svc.wait(big)
+    assert svc.num_cached_bytes() == grammar.memory_size_bytes > 1
+    assert svc.compile(choices(40)) is big  # sent again: not compiled again
+    other = svc.compile(choices(10))
+    svc.wait(other)
+    assert svc.num_cached_bytes() == other.result().memory_size_bytes  # the big one is out
+    again = svc.compile(choices(40))
+    assert again is not big and svc.wait(again).memory_size_bytes == grammar.memory_size_bytes
+    svc.shutdown()
+
+
 def test_a_burst_of_compiles_takes_a_fixed_number_of_threads():
     def num_grammar_threads() -> int:
         return sum(t.name == "pagedserve-grammar" for t in threading.enumerate())

@@ -9,7 +9,8 @@ Compiles wait in one queue for NUM_COMPILE_THREADS grammar threads (a burst of 1
 threads). A compile still queued when its request times out is dropped. xgrammar cannot cancel a running
 compile: one that runs past the timeout fails its request at once and gives its slot to a new thread (up to
 MAX_OVERRUNNING_COMPILES such), but finishes (or not) on its own thread. Its future stays cached, so the same spec sent again waits on that compile instead of starting another one.
-The cache holds at most cache_size grammars and cache_memory_bytes of their memory, least recently used out.
+The cache holds at most cache_size grammars and cache_memory_bytes of their memory, least recently used out
+(the most recent one stays even when larger than that).
 """
 from __future__ import annotations
 
@@ -142,8 +143,10 @@ class GrammarCompileService:
         return self._timeout_message()
 
     def _evict(self) -> None:  # under _lock
-        while self._cache and (len(self._cache) > self.config.cache_size
-                               or sum(self._cached_bytes.values()) > self.config.cache_memory_bytes):
+        # The most recently used grammar stays even past the memory bound, so that a grammar larger than the
+        # whole bound, sent again and again, is not compiled every time.
+        while len(self._cache) > 1 and (len(self._cache) > self.config.cache_size
+                                        or sum(self._cached_bytes.values()) > self.config.cache_memory_bytes):
             spec, _ = self._cache.popitem(last=False)
             self._cached_bytes.pop(spec, None)
 
