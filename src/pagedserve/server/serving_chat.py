@@ -18,7 +18,7 @@ from pagedserve.server.protocol import (ChatChoice, ChatChoiceLogprobs, ChatComp
                                         ChatCompletionResponse, ChatCompletionStreamResponse,
                                         ChatLogprobEntry, ChatStreamChoice,
                                         ChatTopLogprob, DeltaMessage, UsageInfo)
-from pagedserve.server.streaming import SSE_DONE, SSEResponse, json_response, sse, unless_disconnected
+from pagedserve.server.streaming import SSE_DONE, SSEResponse, StreamChunks, json_response, sse, unless_disconnected
 from pagedserve.server.tool_calls import tool_grammar
 from pagedserve.server.tool_stream import ChoiceStreamer, final_message
 
@@ -105,9 +105,8 @@ class OpenAIServingChat:
         model = self.ctx.model_name
         num_top = req.top_logprobs or 0
 
-        def chunk(choice: ChatStreamChoice) -> str:
-            return sse(ChatCompletionStreamResponse(id=request_id, created=created, model=model,
-                                                    choices=[choice]))
+        chunks = StreamChunks(ChatCompletionStreamResponse(id=request_id, created=created, model=model, choices=[]))
+        chunk = chunks.event
 
         try:
             # As OpenAI does, each choice opens with the assistant role and empty content.
@@ -126,6 +125,10 @@ class OpenAIServingChat:
                     delta, finish_reason = streamers[c.index].delta(c.text, c.finish_reason)
                     if (not delta.content and not delta.reasoning_content and not delta.tool_calls
                             and finish_reason is None and not (logprobs and logprobs.content)):
+                        continue
+                    if (logprobs is None and delta.role is None and delta.reasoning_content is None
+                            and delta.tool_calls is None):
+                        yield chunks.content(c.index, delta.content, finish_reason, c.stop_reason)
                         continue
                     yield chunk(ChatStreamChoice(index=c.index, delta=delta, logprobs=logprobs,
                                                  finish_reason=finish_reason, stop_reason=c.stop_reason))

@@ -16,7 +16,7 @@ from pagedserve.server.errors import OpenAIError
 from pagedserve.server.prompt_logprobs import prompt_logprobs_field
 from pagedserve.server.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest,
                                         CompletionResponse, CompletionStreamResponse, UsageInfo)
-from pagedserve.server.streaming import SSE_DONE, SSEResponse, json_response, sse, unless_disconnected
+from pagedserve.server.streaming import SSE_DONE, SSEResponse, StreamChunks, json_response, sse, unless_disconnected
 
 
 def legacy_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]], num_top: int,
@@ -152,6 +152,7 @@ class OpenAIServingCompletion:
         prompt_lps: dict[int, CompletionLogprobs] = {}
         echo_lp = req.echo and req.logprobs is not None
         model = self.ctx.model_name
+        chunks = StreamChunks(CompletionStreamResponse(id=request_id, created=created, model=model, choices=[]))
         num_prompt_tokens: dict[str, int] = {}
         num_completion_tokens = 0
         try:
@@ -180,10 +181,11 @@ class OpenAIServingCompletion:
                         if not st.started and i in prompt_lps:
                             logprobs = joined(prompt_lps[i], logprobs)
                     st.started = True
-                    choice = CompletionChoice(index=index, text=text, logprobs=logprobs,
-                                              finish_reason=c.finish_reason, stop_reason=c.stop_reason)
-                    yield sse(CompletionStreamResponse(id=request_id, created=created, model=model,
-                                                       choices=[choice]))
+                    if logprobs is None:
+                        yield chunks.text(index, text, c.finish_reason, c.stop_reason)
+                        continue
+                    yield chunks.event(CompletionChoice(index=index, text=text, logprobs=logprobs,
+                                                        finish_reason=c.finish_reason, stop_reason=c.stop_reason))
             if req.include_usage:
                 prompt_total = sum(num_prompt_tokens.values())
                 usage = UsageInfo(prompt_tokens=prompt_total, completion_tokens=num_completion_tokens,
