@@ -4,6 +4,7 @@
     python benchmarks/gguf_gemv.py --rows 1,16 --threads 1
     python benchmarks/gguf_gemv.py --rows 1,2,4,8 --out benchmarks/results/gguf_gemv.json
     python benchmarks/gguf_gemv.py --model llama1b --types Q4_K,Q6_K --rows 1,4,8,16 --isas baseline
+    python benchmarks/gguf_gemv.py --model llama1b --prefill --types Q4_K,Q6_K    # rows 64 .. 2048, bf16 x
 
 --model smollm (default): the embedded model's shapes (SmolLM2-135M: hidden 576, intermediate 1536, vocab
 49152; Q4_1 layers, the tied LM head Q8_0) with random blocks. --model llama1b: Llama-3.2-1B's (hidden 2048,
@@ -17,7 +18,12 @@ microseconds per call, the median over rounds that interleave the paths:
   gemv f32    gemm_gguf on float32 x
   tiles f32   float32 tiles dequantized per call + torch's GEMM: the float32 path for many rows
   int8 f32    gemm_gguf_int8 on float32 x (x quantized to int8 per call; every variant but baseline): what
-              the dispatcher runs at 5-64 rows for Q4_K, Q5_K, Q6_K unless PAGEDSERVE_GGUF_INT8=0
+              the dispatcher runs from 5 rows for Q4_K, Q5_K, Q6_K unless PAGEDSERVE_GGUF_INT8=0
+--prefill (llama1b; rows 64,128,256,512,1024,2048 unless --rows): prompt-sized x in bf16, what `--dtype auto`
+runs on CPUs without AMX, the LM head left out (a prefill multiplies only its sampled rows):
+  tiles bf16  bf16 tiles dequantized per call + torch's bf16 GEMM: the path PAGEDSERVE_GGUF_INT8=0 takes
+  int8 bf16   gemm_gguf_int8 on bf16 x (from 32 rows the register tiles of csrc/gguf_int8_tiles.h)
+with "busy": CPU seconds per wall second of the int8 calls (2.0: both threads of --threads 2 at work).
 Then GB/s: the weight bytes read per second by each path. Run with another checkout's interpreter to time its
 gemm_gguf (paths it lacks are left out). --out also writes the table as JSON, with the load average before
 and after (the machine may be shared).
@@ -69,28 +75,32 @@ def paths(ops, qtype: int, cols: int, other_isas: list[str]):
         out["amx bf16"] = lambda x, w: ops.gemm_gguf_amx(x[1], w, qtype, None)
     out["gemv f32"] = lambda x, w: ops.gemm_gguf(x[0], w, qtype, None)
     out["tiles f32"] = lambda x, w: x[0] @ gguf_dequantize(GGUFWeight((qtype,), (w,), cols)).t()
+    out["tiles bf16"] = lambda x, w: x[1] @ gguf_dequantize(GGUFWeight((qtype,), (w,), cols)).to(x[1].dtype).t()
     if hasattr(ops, "gguf_int8_types") and qtype in ops.gguf_int8_types():
         out["int8 f32"] = lambda x, w: ops.gemm_gguf_int8(x[0], w, qtype, None)
+        out["int8 bf16"] = lambda x, w: ops.gemm_gguf_int8(x[1], w, qtype, None)
     for name in other_isas:
         other = kernels.load_isa(name)
         out[f"f32 {name}"] = lambda x, w, other=other: other.gemm_gguf(x[0], w, qtype, None)
     return out
 
 
-def time_path(fn, x: tuple[torch.Tensor, torch.Tensor], ws: list[torch.Tensor], start: int, budget_s: float = 0.03) -> tuple[float, int]:
-    # Microseconds per call over consecutive copies from `start`; returns (us, next start).
-    calls, t0 = 0, time.perf_counter()
+def time_path(fn, x: tuple[torch.Tensor, torch.Tensor], ws: list[torch.Tensor], start: int,
+              budget_s: float = 0.03) -> tuple[float, int, float]:
+    # Microseconds per call over consecutive copies from `start`; returns (us, next start, CPU s per wall s).
+    calls, t0, c0 = 0, time.perf_counter(), time.process_time()
     while True:
         fn(x, ws[(start + calls) % len(ws)])
         calls += 1
         elapsed = time.perf_counter() - t0
         if elapsed >= budget_s and calls >= 3:
-            return elapsed / calls * 1e6, start + calls
+            return elapsed / calls * 1e6, start + calls, (time.process_time() - c0) / elapsed
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--rows", default="1,2,4,8,16,32,64")
+    ap.add_argument("--rows", help="rows of x (default 1,2,4,8,16,32,64; with --prefill 64,...,2048)")
+    ap.add_argument("--prefill", action="store_true", help="llama1b: bf16 tiles against int8 at prompt sizes")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--shapes", help="names of the shapes to time (default: all of the model's)")
@@ -99,6 +109,7 @@ def main() -> None:
     ap.add_argument("--isas", default="", help="other kernel variants whose gemm_gguf f32 to time too")
     ap.add_argument("--out", help="also write the results as JSON here")
     args = ap.parse_args()
+    args.rows = args.rows or ("64,128,256,512,1024,2048" if args.prefill else "1,2,4,8,16,32,64")
     result = {"command": " ".join(sys.argv), "started_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
               "load_avg_before": os.getloadavg(), "threads": args.threads, "rounds": args.rounds, "unit": "us per call",
               "shapes": {}}
@@ -110,31 +121,46 @@ def main() -> None:
         shapes = SHAPES
     else:
         shapes = [(f"{name} {t}", rows, cols, GGMLQuantizationType[t]) for name, rows, cols in LLAMA_1B_SHAPES
-                  for t in args.types.split(",")]
+                  for t in args.types.split(",") if not (args.prefill and name == "lm_head")]
     for name, rows, cols, qtype in shapes:
         if args.shapes and name.split(" ")[0] not in args.shapes.split(","):
             continue
         ws = copies(rows, cols, qtype, quantized=args.model == "smollm")
         fns = paths(ops, int(qtype), cols, [i for i in args.isas.split(",") if i])
-        if args.model == "llama1b":  # gemm_gguf f32 only: dequantizing a 49152 x 2048 LM head per call is 400 MB
+        if args.prefill:
+            fns = {p: fn for p, fn in fns.items() if p in ("tiles bf16", "int8 bf16")}
+        elif args.model == "llama1b":  # gemm_gguf f32 only: dequantizing a 49152 x 2048 LM head per call is 400 MB
             fns = {p: fn for p, fn in fns.items() if p in ("gemv f32", "int8 f32") or p.startswith("f32 ")}
+        else:
+            fns = {p: fn for p, fn in fns.items() if p not in ("tiles bf16", "int8 bf16")}
         gigabytes = ws[0].numel() / 1e9
-        print(f"\n{name} [{rows} x {cols}] {qtype.name}, {len(ws)} copies; us per call (GB/s of weights)")
+        unit = "GMAC/s" if args.prefill else "GB/s of weights"
+        print(f"\n{name} [{rows} x {cols}] {qtype.name}, {len(ws)} copies; us per call ({unit})")
         print("rows " + "".join(f"{p:>20}" for p in fns))
-        table = result["shapes"][name] = {"rows": rows, "cols": cols, "type": qtype.name, "us": {}, "GB/s": {}}
+        table = result["shapes"][name] = {"rows": rows, "cols": cols, "type": qtype.name, "us": {}, "GB/s": {},
+                                          "busy": {}}
         for m in (int(r) for r in args.rows.split(",")):
             x = torch.randn(m, cols)
             x = (x, x.bfloat16())
             times: dict[str, list[float]] = {p: [] for p in fns}
+            busy: dict[str, list[float]] = {p: [] for p in fns}
             pos = 0
             for _ in range(args.rounds):
                 for p, fn in fns.items():
-                    us, pos = time_path(fn, x, ws, pos)
+                    us, pos, cpu = time_path(fn, x, ws, pos)
                     times[p].append(us)
+                    busy[p].append(cpu)
             table["us"][m] = {p: round(statistics.median(t), 1) for p, t in times.items()}
             table["GB/s"][m] = {p: round(gigabytes / (us * 1e-6), 2) for p, us in table["us"][m].items()}
-            print(f"{m:>4} " + "".join(f"{us:>12.1f} ({table['GB/s'][m][p]:>5.1f})"
-                                       for p, us in table["us"][m].items()), flush=True)
+            table["busy"][m] = {p: round(statistics.median(b), 2) for p, b in busy.items()}
+            line = "".join(f"{us:>12.1f} ({table['GB/s'][m][p]:>5.1f})" for p, us in table["us"][m].items())
+            if args.prefill:  # GMAC/s instead of weight GB/s, the int8 / tiles ratio and how busy the threads were
+                gmac = {p: rows * cols * m / (us * 1e3) for p, us in table["us"][m].items()}
+                line = "".join(f"{us:>12.1f} ({gmac[p]:>5.0f})" for p, us in table["us"][m].items())
+                if len(gmac) == 2:
+                    line += f"   x{table['us'][m]['tiles bf16'] / table['us'][m]['int8 bf16']:.2f}"
+                    line += f"  busy {table['busy'][m]['int8 bf16']:.2f}"
+            print(f"{m:>4} " + line, flush=True)
     result["load_avg_after"] = os.getloadavg()
     if args.out:
         with open(args.out, "w") as f:

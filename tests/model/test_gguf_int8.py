@@ -4,10 +4,13 @@ The kernel quantizes each row of x to int8 per 256 values (dx = max|x| / 127, q 
 the weights' integer quants into it; so its result is gguf's dequantized weight times x^ = dx * q, exactly up to
 float32 rounding, and differs from the float kernels' by at most sum_k |w_k| * dx / 2 (x's rounding). Both are
 checked on random blocks of every type the kernel has (every bit pattern of quants, packed scales and high
-bits), for rows of x 1..70 (odd counts, more than one pass of 64), float32 and bf16 x, both dot products this
+bits), for rows of x 1..301 (odd counts, more than one pass of 64; the k-quants' register tiles from 32 rows,
+csrc/gguf_int8_tiles.h, with partial tiles of x and of weight rows, and K in several slices), float32 and bf16 x, both dot products this
 CPU runs (VNNI and vpmaddubsw + vpmaddwd) and every kernel variant the parity tests run (avx512 / amx and avx2
 have the kernel; baseline, which has none, must never pick it)."""
 from __future__ import annotations
+
+import sys
 
 import numpy as np
 import pytest
@@ -23,7 +26,7 @@ ISAS = kernels.parity_isas()
 pytestmark = pytest.mark.skipif(not ISAS, reason="the compiled kernels could not be built here")
 # every type the kernel has (the dispatcher picks it for gguf_quant.INT8_TYPES); Q8_0 needs VNNI
 KERNEL_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
-ROWS = (1, 2, 3, 8, 17, 64, 70)
+ROWS = (1, 2, 3, 8, 17, 31, 32, 64, 70, 301)
 
 
 def int8_ops(isa_name: str):
@@ -125,17 +128,43 @@ def test_int8_kernel_matches_quantized_x(isa_name: str, qtype, numerics) -> None
 
 
 @pytest.mark.parametrize("isa_name", ISAS)
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q5_K, T.Q6_K], ids=lambda t: t.name)
+def test_int8_tiles_long_rows(isa_name: str, qtype, numerics) -> None:
+    # The register tiles (csrc/gguf_int8_tiles.h) where the other test's shapes do not reach: 2,560 inputs (K in
+    # two slices of at most 8 groups, the second partial), 210 rows of x (two chunks of reordered x at 204 rows
+    # each), 9 weight rows (panels of 4 rows, the last one partial).
+    ops = int8_ops(isa_name)
+    if ops is None:
+        pytest.skip(f"no int8 kernel in the {isa_name} build")
+    rng = np.random.default_rng(100 + int(qtype))
+    raw = raw_blocks(qtype, 9, 2560, rng)
+    ref, w = reference(raw, qtype).double(), torch.from_numpy(raw.copy())
+    x = torch.randn(210, 2560, generator=torch.Generator().manual_seed(1))
+    x[100, 2048:] *= 30  # an outlier group in the second slice
+    bias = torch.randn(9, generator=torch.Generator().manual_seed(2))
+    for m in (40, 210):
+        results = []
+        for dot in dots(ops)[1:]:
+            y = ops.gemm_gguf_int8(x[:m], w, int(qtype), bias, dot)
+            check(y, x[:m], ref, bias, numerics, f"{m} rows, vnni={dot}")
+            yb = ops.gemm_gguf_int8(x[:m].bfloat16(), w, int(qtype), None, dot)
+            check(yb, x[:m].bfloat16().float(), ref, None, numerics, f"bf16, {m} rows, vnni={dot}")
+            results.append(y)
+        assert all(torch.equal(r, results[0]) for r in results)
+
+
+@pytest.mark.parametrize("isa_name", ISAS)
 def test_dispatcher_picks_int8(isa_name: str, monkeypatch) -> None:
-    # A Q4_K_M-like fused weight (Q4_K and Q6_K parts): gemm_gguf_int8 per part for INT8_MIN_ROWS to
-    # INT8_MAX_ROWS rows where the variant has it and PAGEDSERVE_GGUF_INT8 is not "0"; otherwise the float
-    # kernels, exactly as before.
+    # A Q4_K_M-like fused weight (Q4_K and Q6_K parts): gemm_gguf_int8 per part from INT8_MIN_ROWS rows on
+    # (prefill too: float32 x has no upper bound) where the variant has it and PAGEDSERVE_GGUF_INT8 is not "0";
+    # otherwise the float kernels, exactly as before.
     # A weight with a type the int8 kernel lacks (Q4_1) keeps the float kernels.
     rng = np.random.default_rng(5)
     raws = [(T.Q4_K, raw_blocks(T.Q4_K, 24, 512, rng)), (T.Q6_K, raw_blocks(T.Q6_K, 8, 512, rng))]
     fused = concat_rows([as_weight(r, t, 512) for t, r in raws])
     ref = torch.cat([reference(r, t) for t, r in raws]).double()
     q41 = as_weight(raw_blocks(T.Q4_1, 8, 512, rng), T.Q4_1, 512)
-    x = torch.randn(70, 512, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(200, 512, generator=torch.Generator().manual_seed(0))
     bias = torch.randn(32, generator=torch.Generator().manual_seed(1))
     with kernels.use_isa(isa_name) as ops:
         has_int8 = int8_ops(isa_name) is not None
@@ -143,11 +172,11 @@ def test_dispatcher_picks_int8(isa_name: str, monkeypatch) -> None:
             monkeypatch.setenv("PAGEDSERVE_GGUF_INT8", env)
             int8 = env == "1" and has_int8
             choice = kernel_choice(ops, torch.float32, fused.qtypes)
-            assert choice.int8_max_rows == (gguf_quant.INT8_MAX_ROWS if int8 else 0)
+            assert choice.int8_max_rows == (sys.maxsize if int8 else 0)
             assert kernel_choice(ops, torch.float32, q41.qtypes).path(1) != "int8"
-            for m in (1, gguf_quant.INT8_MIN_ROWS, 7, gguf_quant.INT8_MAX_ROWS, 65):
+            for m in (1, gguf_quant.INT8_MIN_ROWS, 7, 64, 65, 200):
                 y = gguf_linear(x[:m], fused, bias)
-                if int8 and gguf_quant.INT8_MIN_ROWS <= m <= gguf_quant.INT8_MAX_ROWS:
+                if int8 and m >= gguf_quant.INT8_MIN_ROWS:
                     assert choice.path(m) == "int8"
                     parts = [ops.gemm_gguf_int8(x[:m], p, t, None) for t, p in zip(fused.qtypes, fused.parts)]
                     assert torch.equal(y, torch.cat(parts, dim=1).add_(bias))

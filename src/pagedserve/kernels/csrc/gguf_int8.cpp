@@ -16,6 +16,7 @@
 #include "checks.h"
 #include "gguf_blocks.h"
 #include "gguf_int8.h"
+#include "gguf_int8_tiles.h"
 #include "ops_library.h"
 
 namespace {
@@ -34,6 +35,18 @@ std::vector<int64_t> gguf_int8_types(c10::optional<bool> vnni) {
   return {};
 #endif
 }
+
+#if defined(PAGEDSERVE_GGUF_INT8)
+// The k-quants from int8::tiles::kMinRows rows of x through gguf_int8_tiles.h's driver, the rest through
+// gguf_int8.h's.
+template <int64_t T, typename Out>
+void run(const int8::Args& a, bool vnni) {
+  if constexpr (int8::kIntScales<T>) {
+    if (a.m >= int8::tiles::kMinRows) return int8::tiles::gemm<T, Out>(a, vnni);
+  }
+  int8::gemm<T, Out>(a, vnni);
+}
+#endif
 
 at::Tensor gemm_gguf_int8(const at::Tensor& x, const at::Tensor& w, int64_t type,
                           const c10::optional<at::Tensor>& bias, c10::optional<bool> vnni) {
@@ -72,7 +85,7 @@ at::Tensor gemm_gguf_int8(const at::Tensor& x, const at::Tensor& w, int64_t type
                      bias32.defined() ? bias32.data_ptr<float>() : nullptr, y.data_ptr()};
   const bool use_vnni = vnni.value_or(has_vnni);
 #define PAGEDSERVE_INT8_CASE(T) \
-  case T: bf16 ? int8::gemm<T, c10::BFloat16>(a, use_vnni) : int8::gemm<T, float>(a, use_vnni); break;
+  case T: bf16 ? run<T, c10::BFloat16>(a, use_vnni) : run<T, float>(a, use_vnni); break;
   switch (type) {
     PAGEDSERVE_INT8_CASE(kQ4_0)
     PAGEDSERVE_INT8_CASE(kQ4_1)

@@ -22,13 +22,16 @@ DECODE_MAX_ROWS_AMX rows through gemm_gguf_amx (csrc/gguf_amx.cpp: blocks rebuil
 from 512 rows the weight rebuilt as bf16 for torch's bf16 GEMM, oneDNN on AMX).
 
 Where the kernel variant has it (avx2, avx512, amx), weights whose every type is in INT8_TYPES (Q4_K, Q5_K, Q6_K)
-take gemm_gguf_int8 for INT8_MIN_ROWS to INT8_MAX_ROWS rows of x instead of gemm_gguf: x quantized to int8 per
-256 values and integer dot products (csrc/gguf_int8.h), as llama.cpp does; results differ from the float
-kernels by x's rounding (at most sum |w| * dx / 2 per output). PAGEDSERVE_GGUF_INT8=0 keeps the float kernels.
+take gemm_gguf_int8 from INT8_MIN_ROWS rows of x on (batched decode and prefill alike; bf16 x on the amx
+variant up to INT8_MAX_ROWS_AMX) instead of gemm_gguf or dequantized tiles: x quantized to int8 per 256 values
+and integer dot products (csrc/gguf_int8.h; from 32 rows register-tiled with each weight rebuilt once per call,
+csrc/gguf_int8_tiles.h), as llama.cpp does; results differ from the float kernels by x's rounding (at most
+sum |w| * dx / 2 per output). PAGEDSERVE_GGUF_INT8=0 keeps the float kernels.
 """
 from __future__ import annotations
 
 import functools
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -51,7 +54,7 @@ DECODE_MAX_ROWS_AMX = 4
 DECODE_MAX_ROWS = 64
 # The baseline build's portable loop (no vectorized decode kernel) wins up to this many rows of x.
 PORTABLE_MAX_ROWS = 8
-# The types gemm_gguf_int8 takes for INT8_MIN_ROWS to INT8_MAX_ROWS rows of x where the kernel variant has it.
+# The types gemm_gguf_int8 takes from INT8_MIN_ROWS rows of x on, where the kernel variant has it.
 # Weights cold, 2 threads, Llama-1B shapes, 2-core EPYC Zen 4 at load ~3 (benchmarks/gguf_gemv.py --model
 # llama1b, columns gemv f32 / int8 f32): up to 4 rows gemm_gguf reads the weights faster (down_proj Q4_K at 1
 # row 498 vs 869 us: its prefetching is tuned, the int8 kernel's is not yet); from 6 rows int8 wins on every
@@ -59,10 +62,13 @@ PORTABLE_MAX_ROWS = 8
 # 1082, 5705 vs 1737, 23614 vs 6754). Weights in cache (compute-bound), int8 is 1.1-3.3x faster at every row
 # count, on avx2 too (1.2-3.0x). The kernel also multiplies Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 (blocks of 32, a
 # float scale each), slower than gemm_gguf's table kernels below ~8 rows (Q4_1 at 1 row: 0.5x) and not
-# clearly faster above when timed under load: not chosen until timed quietly.
+# clearly faster above when timed under load: not chosen until timed quietly. Prefill (64-2048 rows, Llama-1B
+# shapes, bf16 x, EPYC Zen 4): int8 beats the dequantized bf16 tiles at every row count (benchmarks/gguf_gemv.py
+# --model llama1b --prefill; benchmarks/README.md), so there is no upper bound, except for bf16 x on the amx
+# variant, whose tiles run torch's bf16 GEMM on AMX: int8 was timed there up to INT8_MAX_ROWS_AMX rows only.
 INT8_TYPES = (12, 13, 14)
 INT8_MIN_ROWS = 5
-INT8_MAX_ROWS = 64
+INT8_MAX_ROWS_AMX = 64
 
 
 @dataclass(slots=True)
@@ -162,8 +168,8 @@ def _int8_types(ops) -> frozenset[int]:
 class KernelChoice:
     # How one weight's matmuls run in this process, decided once per (block types, activation dtype, kernel
     # variant, PAGEDSERVE_GGUF_INT8): INT8_MIN_ROWS to int8_max_rows rows of x through gemm_gguf_int8 (none
-    # when 0), up to gemv_max_rows through gemm_gguf, more through gemm_gguf_amx where `amx`, else through
-    # dequantized tiles and torch's GEMM.
+    # when 0, no bound at sys.maxsize), else up to gemv_max_rows through gemm_gguf, more through gemm_gguf_amx
+    # where `amx`, else through dequantized tiles and torch's GEMM.
     gemv_max_rows: int
     amx: bool
     int8_max_rows: int = 0
@@ -186,7 +192,9 @@ def kernel_choice(ops, dtype: torch.dtype, qtypes: tuple[int, ...]) -> KernelCho
 @functools.cache
 def _kernel_choice(ops, dtype: torch.dtype, qtypes: tuple[int, ...], int8_allowed: bool) -> KernelChoice:
     amx = dtype == torch.bfloat16 and _amx_gemm(ops) is not None and all(t in AMX_TYPES for t in qtypes)
-    int8 = INT8_MAX_ROWS if int8_allowed and all(t in _int8_types(ops) for t in qtypes) else 0
+    int8 = 0
+    if int8_allowed and all(t in _int8_types(ops) for t in qtypes):
+        int8 = INT8_MAX_ROWS_AMX if dtype == torch.bfloat16 and ops.compiled_isa() == "amx" else sys.maxsize
     if not _has_decode_kernel(ops):
         return KernelChoice(PORTABLE_MAX_ROWS, amx, int8)
     return KernelChoice(DECODE_MAX_ROWS_AMX if amx else DECODE_MAX_ROWS, amx, int8)
