@@ -162,8 +162,7 @@ class EngineCore:
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return outputs
-        if self.structured_output.matchers:
-            plan = self._with_grammar(plan)
+        plan = self.structured_output.with_bitmask(plan, self.scheduler.requests)
         # A plan with no tokens still carries finished ids and swap copies: the worker applies them.
         t0 = time.perf_counter()
         failures = _StepFailures()
@@ -214,15 +213,6 @@ class EngineCore:
         if self.kv_event_publisher is not None:
             self.kv_event_publisher.publish(self.kv_events.take())
         return outputs
-
-    def _with_grammar(self, plan: SchedulerOutput) -> SchedulerOutput:
-        # The allowed tokens of the requests under a grammar that sample this step (their scheduled tokens
-        # reach their last one) travel in the plan; a prefill chunk short of the end needs none.
-        reqs = self.scheduler.requests
-        sampling = [rid for rid, n in plan.num_scheduled_tokens.items()
-                    if rid in self.structured_output and reqs[rid].num_computed_tokens + n >= reqs[rid].num_tokens]
-        grammar = self.structured_output.grammar_output(sampling)
-        return plan if grammar is None else dataclasses.replace(plan, grammar=grammar)
 
     def _drafts_pay(self) -> bool:
         # Above disable_by_batch_size running requests drafts would cost more compute than they save, so the

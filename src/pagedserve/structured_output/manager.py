@@ -1,6 +1,6 @@
 """Per-sequence grammar matchers beside the scheduler: the step's token bitmask before it runs, accept after.
 
-    engine core:  plan --grammar_output(sampling req_ids)--> GrammarOutput(req_ids, int32 bitmask) in the plan
+    engine core:  plan --with_bitmask--> the plan with GrammarOutput(req_ids, int32 bitmask) of its sampling rows
     worker:       logits [N, V] --sample/grammar_bitmask.py--> disallowed tokens -inf --> sampler
     engine core:  sampled token --accept_token--> matcher advances; terminated (stop token accepted) -> "stop"
 
@@ -13,9 +13,11 @@ and rejected ones are undone.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
-from pagedserve.core.scheduler_output import GrammarOutput
+from pagedserve.core.request import Request
+from pagedserve.core.scheduler_output import GrammarOutput, SchedulerOutput
 
 
 class StructuredOutputManager:
@@ -33,6 +35,16 @@ class StructuredOutputManager:
 
     def remove(self, req_id: str) -> None:
         self.matchers.pop(req_id, None)
+
+    def with_bitmask(self, plan: SchedulerOutput, requests: dict[str, Request]) -> SchedulerOutput:
+        """plan with the bitmask of its requests under a grammar that sample this step (their scheduled tokens
+        reach their last one: a prefill chunk short of the end needs none); plan itself when there is none."""
+        if not self.matchers:
+            return plan
+        sampling = [r for r, n in plan.num_scheduled_tokens.items()
+                    if r in self.matchers and requests[r].num_computed_tokens + n >= requests[r].num_tokens]
+        grammar = self.grammar_output(sampling)
+        return plan if grammar is None else dataclasses.replace(plan, grammar=grammar)
 
     def grammar_output(self, req_ids: list[str]) -> GrammarOutput | None:
         """The allowed next tokens of each of req_ids that has a running matcher; None when none has."""
