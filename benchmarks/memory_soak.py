@@ -129,6 +129,7 @@ def main() -> None:
     cmd = [sys.executable, "-m", "pagedserve.cli", "serve", "--port", str(port), "--kv-cache-memory", str(KV_BYTES),
            *(["--model", args.model] if args.model else []), *args.serve_args]
     log_path = args.out + ".server.log"
+    os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
     with open(log_path, "w", encoding="utf-8") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"

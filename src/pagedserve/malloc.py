@@ -8,7 +8,8 @@ threshold (a freed large buffer goes straight back to the OS) and trim threshold
 glibc reads (MALLOC_ARENA_MAX, MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_) still win when set. Measured
 on the embedded model's server: 543 -> 517 MB RSS after the first requests (benchmarks/HISTORY.md, memory.py).
 Freed small blocks in the middle of the heap stay resident whatever the thresholds, so the load (after the
-tokenizer's parse) and the engine thread (each time it goes idle) call malloc_trim: ~12 MB after requests.
+tokenizer's parse) and the engine thread (each time it goes idle, and every 2 s while busy) call malloc_trim:
+~12 MB after requests.
 Elsewhere (musl, macOS) these are no-ops.
 """
 from __future__ import annotations

@@ -304,3 +304,22 @@ def test_a_slow_admission_stalls_running_requests_at_most_a_step_per_step(fake, 
         return steps
 
     assert asyncio.run(asyncio.wait_for(main(), 10)) >= 20
+
+
+def test_freed_heap_is_handed_back_while_busy_not_only_when_idle(fake, monkeypatch):
+    # Under continuous load the engine never goes idle; with the interval at 0 every step trims.
+    import pagedserve.engine.async_engine as module
+
+    engine, async_engine = fake
+    calls = []
+    monkeypatch.setattr(module, "release_free_memory", lambda: calls.append(threading.current_thread().ident))
+    monkeypatch.setattr(module, "BUSY_TRIM_INTERVAL_S", 0.0)
+
+    async def main():
+        return [o async for o in async_engine.generate(PROMPT, SamplingParams(max_tokens=8), "busy")]
+
+    outs = asyncio.run(main())
+    assert len(outs[-1].outputs[0].token_ids) == 8
+    # one per step (8 tokens: 8 steps), plus the idle trims; without the busy trim only the idle ones (1-2)
+    assert len(calls) >= 8
+    assert set(calls) == {async_engine._thread.ident}
