@@ -7,6 +7,7 @@ import os
 import platform
 import random
 import subprocess
+import sys
 import time
 from dataclasses import asdict, dataclass
 
@@ -130,3 +131,12 @@ def stop_process(proc: subprocess.Popen, timeout_s: float = 30) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+def int8_child_run(script: str, value: str) -> dict:
+    # Runs `script` again with this process's arguments plus --child, PAGEDSERVE_GGUF_INT8=value (the
+    # dispatcher reads it once per process); returns the JSON dict its last stdout line prints, with int8=value.
+    env = dict(os.environ, PAGEDSERVE_GGUF_INT8=value)
+    out = subprocess.run([sys.executable, script, *sys.argv[1:], "--child"], env=env, check=True,
+                         capture_output=True, text=True).stdout.strip().splitlines()[-1]
+    return dict(json.loads(out), int8=value)

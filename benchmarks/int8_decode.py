@@ -15,11 +15,10 @@ import argparse
 import json
 import os
 import random
-import subprocess
 import sys
 import time
 
-from common import machine_info, write_json
+from common import int8_child_run, machine_info, write_json
 
 
 def run_one(model: str, streams: int, prompt_len: int, output_len: int, threads: int) -> dict:
@@ -61,10 +60,7 @@ def main() -> None:
         return
     result = {"command": " ".join(sys.argv), "load_avg_before": os.getloadavg(), "runs": []}
     for value in args.order.split(","):
-        env = dict(os.environ, PAGEDSERVE_GGUF_INT8=value)
-        out = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--child"], env=env, check=True,
-                             capture_output=True, text=True).stdout.strip().splitlines()[-1]
-        run = dict(json.loads(out), int8=value)
+        run = int8_child_run(__file__, value)
         result["runs"].append(run)
         print(run, flush=True)
     if args.out:

@@ -26,7 +26,7 @@ ISAS = kernels.parity_isas()
 pytestmark = pytest.mark.skipif(not ISAS, reason="the compiled kernels could not be built here")
 # every type the kernel has (the dispatcher picks it for gguf_quant.INT8_TYPES); Q8_0 needs VNNI
 KERNEL_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
-ROWS = (1, 2, 3, 8, 17, 31, 32, 64, 70, 301)
+ROWS = (1, 2, 3, 4, 5, 8, 17, 31, 32, 64, 70, 301)
 
 
 def int8_ops(isa_name: str):
@@ -173,10 +173,15 @@ def test_dispatcher_picks_int8(isa_name: str, monkeypatch) -> None:
             int8 = env == "1" and has_int8
             choice = kernel_choice(ops, torch.float32, fused.qtypes)
             assert choice.int8_max_rows == (sys.maxsize if int8 else 0)
+            # from 1 row where the variant has the few-row kernel (avx512, amx), else from INT8_MIN_ROWS
+            few_rows = has_int8 and isa_name in ("avx512", "amx")
+            assert set(ops.gguf_int8_gemv_types()) == ({12, 13, 14} if few_rows else set())
+            low = gguf_quant.INT8_GEMV_MIN_ROWS if few_rows else gguf_quant.INT8_MIN_ROWS
+            assert choice.int8_min_rows == low
             assert kernel_choice(ops, torch.float32, q41.qtypes).path(1) != "int8"
-            for m in (1, gguf_quant.INT8_MIN_ROWS, 7, 64, 65, 200):
+            for m in (1, 2, 4, gguf_quant.INT8_MIN_ROWS, 7, 64, 65, 200):
                 y = gguf_linear(x[:m], fused, bias)
-                if int8 and m >= gguf_quant.INT8_MIN_ROWS:
+                if int8 and m >= low:
                     assert choice.path(m) == "int8"
                     parts = [ops.gemm_gguf_int8(x[:m], p, t, None) for t, p in zip(fused.qtypes, fused.parts)]
                     assert torch.equal(y, torch.cat(parts, dim=1).add_(bias))
@@ -203,3 +208,24 @@ def test_int8_bad_input() -> None:
         with pytest.raises(RuntimeError, match="no AVX512-VNNI"):
             ops.gemm_gguf_int8(torch.randn(1, 256), w, int(T.Q4_K), None, True)
     assert ops.gemm_gguf_int8(torch.randn(0, 256), w, int(T.Q4_K), None).shape == (0, 4)
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q5_K, T.Q6_K], ids=lambda t: t.name)
+def test_int8_few_rows_long_weight_rows(qtype, numerics) -> None:
+    # 1-4 rows of x take the few-row kernel (csrc/gguf_int8_gemv.h) where the variant has it; rows of more than
+    # 4,096 inputs (here 4,352) take 3-4 rows of x in passes of 2; 37 weight rows (split between threads)
+    ops = next((o for o in map(int8_ops, ISAS) if o is not None and int(qtype) in o.gguf_int8_gemv_types()), None)
+    if ops is None:
+        pytest.skip("no kernel variant here has the few-row int8 kernel")
+    rng = np.random.default_rng(int(qtype) + 100)
+    raw = raw_blocks(qtype, 37, 4352, rng)
+    ref, w = reference(raw, qtype).double(), torch.from_numpy(raw.copy())
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(4, 4352, generator=gen)
+    x[2, 512:768] *= 30
+    bias = torch.randn(37, generator=gen)
+    for m in (1, 2, 3, 4):
+        for dot in dots(ops)[1:]:
+            check(ops.gemm_gguf_int8(x[:m], w, int(qtype), bias, dot), x[:m], ref, bias, numerics, f"{m} rows")
+        yb = ops.gemm_gguf_int8(x[:m].bfloat16(), w, int(qtype), None)
+        check(yb, x[:m].bfloat16().float(), ref, None, numerics, f"bf16, {m} rows")

@@ -4,6 +4,8 @@
 //     the CPU has it; False the dot products without it (vpmaddubsw + vpmaddwd); True requires VNNI.
 //   gguf_int8_types(vnni?) -> the GGML types gemm_gguf_int8 multiplies in this build on this CPU (empty:
 //     none), with the dot products `vnni` picks as above
+//   gguf_int8_gemv_types() -> the types whose 1-4 rows of x take the few-row kernel (gguf_int8_gemv.h: Q4_K,
+//     Q5_K, Q6_K in the avx512 / amx builds; else empty)
 // model/layers/gguf_quant.py's kernel_choice decides when it runs.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -17,6 +19,9 @@
 #include "gguf_blocks.h"
 #include "gguf_int8.h"
 #include "gguf_int8_tiles.h"
+#if defined(PAGEDSERVE_GGUF_INT8_VNNI)
+#include "gguf_int8_gemv.h"
+#endif
 #include "ops_library.h"
 
 namespace {
@@ -48,6 +53,15 @@ void run(const int8::Args& a, bool vnni) {
 }
 #endif
 
+// The types gemm_gguf_int8 runs through its few-row kernel (gguf_int8_gemv.h) for 1 to 4 rows of x.
+std::vector<int64_t> gguf_int8_gemv_types() {
+#if defined(PAGEDSERVE_GGUF_INT8_VNNI)
+  return {kQ4_K, kQ5_K, kQ6_K};
+#else
+  return {};
+#endif
+}
+
 at::Tensor gemm_gguf_int8(const at::Tensor& x, const at::Tensor& w, int64_t type,
                           const c10::optional<at::Tensor>& bias, c10::optional<bool> vnni) {
   constexpr const char* op = "gemm_gguf_int8";
@@ -61,12 +75,22 @@ at::Tensor gemm_gguf_int8(const at::Tensor& x, const at::Tensor& w, int64_t type
   const bool has_vnni = int8::cpu_has_vnni();
   TORCH_CHECK(!vnni.value_or(false) || has_vnni, op, ": this CPU has no AVX512-VNNI");
   if (m == 0 || n == 0) return y;
+  const bool use_vnni = vnni.value_or(has_vnni);
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+#if defined(PAGEDSERVE_GGUF_INT8_VNNI)
+  if (int8::gemv::takes(type, m)) {  // single-stream decode: gguf_int8_gemv.h
+    const float* xf = bf16 ? nullptr : x.data_ptr<float>();
+    const c10::BFloat16* xb = bf16 ? x.data_ptr<c10::BFloat16>() : nullptr;
+    const float* bp = bias32.defined() ? bias32.data_ptr<float>() : nullptr;
+    int8::gemv::run(type, xf, xb, x.stride(0), m, k, w.data_ptr<uint8_t>(), n, w.size(1), bp, y.data_ptr(), use_vnni);
+    return y;
+  }
+#endif
   // x quantized: rows of kpad quants (64-byte aligned vectors), per group its scale and 16 sums
   const int64_t groups = (k + int8::kGroup - 1) / int8::kGroup, kpad = groups * int8::kGroup;
   std::vector<int8_t> q(m * kpad + 64);
   std::vector<float> d(m * groups), s16(m * groups * 16);
   int8_t* qp = reinterpret_cast<int8_t*>((reinterpret_cast<uintptr_t>(q.data()) + 63) & ~uintptr_t{63});
-  const bool bf16 = x.scalar_type() == at::kBFloat16;
   at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
     std::vector<float> widened(bf16 ? k : 0);
     for (int64_t r = r0; r < r1; ++r) {
@@ -83,7 +107,6 @@ at::Tensor gemm_gguf_int8(const at::Tensor& x, const at::Tensor& w, int64_t type
   });
   const int8::Args a{{qp, d.data(), s16.data(), kpad, groups}, m, k, w.data_ptr<uint8_t>(), n, w.size(1),
                      bias32.defined() ? bias32.data_ptr<float>() : nullptr, y.data_ptr()};
-  const bool use_vnni = vnni.value_or(has_vnni);
 #define PAGEDSERVE_INT8_CASE(T) \
   case T: bf16 ? run<T, c10::BFloat16>(a, use_vnni) : run<T, float>(a, use_vnni); break;
   switch (type) {
@@ -110,4 +133,5 @@ PAGEDSERVE_LIBRARY_FRAGMENT(m) {
   m.def("gemm_gguf_int8(Tensor x, Tensor w, int type, Tensor? bias, bool? vnni=None) -> Tensor");
   m.impl("gemm_gguf_int8", c10::DispatchKey::CPU, gemm_gguf_int8);
   m.def("gguf_int8_types(bool? vnni=None) -> int[]", &gguf_int8_types);
+  m.def("gguf_int8_gemv_types() -> int[]", &gguf_int8_gemv_types);
 }

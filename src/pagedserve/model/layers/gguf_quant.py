@@ -26,7 +26,9 @@ take gemm_gguf_int8 from INT8_MIN_ROWS rows of x on (batched decode and prefill 
 variant up to INT8_MAX_ROWS_AMX) instead of gemm_gguf or dequantized tiles: x quantized to int8 per 256 values
 and integer dot products (csrc/gguf_int8.h; from 32 rows register-tiled with each weight rebuilt once per call,
 csrc/gguf_int8_tiles.h), as llama.cpp does; results differ from the float kernels by x's rounding (at most
-sum |w| * dx / 2 per output). PAGEDSERVE_GGUF_INT8=0 keeps the float kernels.
+sum |w| * dx / 2 per output). Where the variant also has the few-row int8 kernel for every type of the weight
+(avx512, amx: csrc/gguf_int8_gemv.h, gguf_int8_gemv_types()), int8 starts at 1 row (single-stream decode).
+PAGEDSERVE_GGUF_INT8=0 keeps the float kernels.
 """
 from __future__ import annotations
 
@@ -69,6 +71,9 @@ PORTABLE_MAX_ROWS = 8
 INT8_TYPES = (12, 13, 14)
 INT8_MIN_ROWS = 5
 INT8_MAX_ROWS_AMX = 64
+# With the few-row kernel (csrc/gguf_int8_gemv.h, avx512 / amx builds), int8 from 1 row: at 1 row of x, weights
+# cold, 1 thread, Llama-1B shapes, it reads 1.6-2.5x the GB/s of gemm_gguf (benchmarks/README.md).
+INT8_GEMV_MIN_ROWS = 1
 
 
 @dataclass(slots=True)
@@ -164,19 +169,26 @@ def _int8_types(ops) -> frozenset[int]:
     return frozenset(ops.gguf_int8_types()) & frozenset(INT8_TYPES)
 
 
+@functools.cache
+def _int8_gemv_types(ops) -> frozenset[int]:
+    # The types gemm_gguf_int8's few-row kernel multiplies in this build (none before avx512).
+    return frozenset(ops.gguf_int8_gemv_types()) if hasattr(ops, "gguf_int8_gemv_types") else frozenset()
+
+
 @dataclass(frozen=True, slots=True)
 class KernelChoice:
     # How one weight's matmuls run in this process, decided once per (block types, activation dtype, kernel
-    # variant, PAGEDSERVE_GGUF_INT8): INT8_MIN_ROWS to int8_max_rows rows of x through gemm_gguf_int8 (none
+    # variant, PAGEDSERVE_GGUF_INT8): int8_min_rows to int8_max_rows rows of x through gemm_gguf_int8 (none
     # when 0, no bound at sys.maxsize), else up to gemv_max_rows through gemm_gguf, more through gemm_gguf_amx
     # where `amx`, else through dequantized tiles and torch's GEMM.
     gemv_max_rows: int
     amx: bool
     int8_max_rows: int = 0
+    int8_min_rows: int = INT8_MIN_ROWS
 
     def path(self, m: int) -> str:
         # "int8", "gemv", "amx" or "tiles" for m rows of x
-        if INT8_MIN_ROWS <= m <= self.int8_max_rows:
+        if self.int8_min_rows <= m <= self.int8_max_rows:
             return "int8"
         return "gemv" if m <= self.gemv_max_rows else "amx" if self.amx else "tiles"
 
@@ -195,9 +207,10 @@ def _kernel_choice(ops, dtype: torch.dtype, qtypes: tuple[int, ...], int8_allowe
     int8 = 0
     if int8_allowed and all(t in _int8_types(ops) for t in qtypes):
         int8 = INT8_MAX_ROWS_AMX if dtype == torch.bfloat16 and ops.compiled_isa() == "amx" else sys.maxsize
+    low = INT8_GEMV_MIN_ROWS if all(t in _int8_gemv_types(ops) for t in qtypes) else INT8_MIN_ROWS
     if not _has_decode_kernel(ops):
-        return KernelChoice(PORTABLE_MAX_ROWS, amx, int8)
-    return KernelChoice(DECODE_MAX_ROWS_AMX if amx else DECODE_MAX_ROWS, amx, int8)
+        return KernelChoice(PORTABLE_MAX_ROWS, amx, int8, low)
+    return KernelChoice(DECODE_MAX_ROWS_AMX if amx else DECODE_MAX_ROWS, amx, int8, low)
 
 
 def gguf_linear(x: torch.Tensor, w: GGUFWeight, bias: torch.Tensor | None) -> torch.Tensor:
