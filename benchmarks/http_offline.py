@@ -22,6 +22,7 @@ import asyncio
 import gc
 import os
 import random
+import signal
 import statistics
 import sys
 import time
@@ -178,6 +179,8 @@ def main() -> int:
                      max_model_len=args.max_model_len).get_tokenizer())
     token_ids = allowed_token_ids(tokenizer, len(tokenizer))
     servers: dict[str, Server] = {}
+    # SIGTERM (e.g. from `timeout`) unwinds like Ctrl-C, so the finally below stops the servers (own process groups).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     rows: dict[str, dict[str, list]] = {b: {"offline": [], "http": []} for b in budgets}
     try:
         for b, lim in budgets.items():
