@@ -11,7 +11,9 @@ time of the decode steps / steps) and once more under torch.profiler. Op self ti
   attention, norms+rotary+silu, other ops
   outside ops            the step's wall time less every op: Python, the engine, sampling's Python side
 and the floor: the bytes of the weights one step reads (every linear + the LM head) at the copy bandwidth
-measured in the same run (common.memory_bandwidth).
+measured in the same run (common.memory_bandwidth). Also the process's CPU milliseconds per step (all threads;
+the prompt's step spread over the others): on a shared machine, where OpenMP threads wait for time slices and
+wall times mean little, `--threads 1` and the CPU time with the ops' shares still account for a step.
 """
 from __future__ import annotations
 
@@ -20,12 +22,14 @@ import collections
 import json
 import os
 import sys
+import time
 
 from common import int8_child_run, machine_info, memory_bandwidth, write_json
 
 # bytes per 256 weights of each k-quant and per 32 of the rest: names the type from a weight's row bytes
-BYTES_PER_256 = {144: "Q4_K", 176: "Q5_K", 210: "Q6_K", 136: "IQ4_XS", 8 * 18: "Q4_0", 8 * 20: "Q4_1",
-                 8 * 22: "Q5_0", 8 * 24: "Q5_1", 8 * 34: "Q8_0"}
+# (Q4_0's 8 x 18 bytes equal Q4_K's 144: the k-quant is named)
+BYTES_PER_256 = {8 * 20: "Q4_1", 8 * 22: "Q5_0", 8 * 24: "Q5_1", 8 * 34: "Q8_0", 144: "Q4_K", 176: "Q5_K",
+                 210: "Q6_K", 136: "IQ4_XS"}
 
 
 PROMPT_LEN = 32
@@ -63,7 +67,11 @@ def run_one(model: str, tokens: int, threads: int) -> dict:
         out = llm.generate([prompt], params, use_tqdm=False)[0]
         return (out.metrics.last_token_time - out.metrics.first_token_time) / (tokens - 1) * 1e3
 
-    plain = [tpot() for _ in range(2)]
+    plain, cpu = [], []
+    for _ in range(2):
+        start = time.process_time()
+        plain.append(tpot())
+        cpu.append((time.process_time() - start) / tokens * 1e3)  # the prompt's step included
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
         profiled = tpot()
     parts: dict[str, float] = collections.defaultdict(float)
@@ -75,6 +83,7 @@ def run_one(model: str, tokens: int, threads: int) -> dict:
                 e.self_cpu_time_total / 1e3)
     steps = tokens - 1  # decode steps
     return {"tpot_ms": [round(t, 2) for t in plain], "tpot_profiled_ms": round(profiled, 2),
+            "cpu_ms_per_step": [round(t, 2) for t in cpu],
             "dtype": str(llm.llm_engine.config.dtype) if hasattr(llm.llm_engine.config, "dtype") else None,
             "ms_per_step": {k: round(v / steps, 3) for k, v in sorted(parts.items(), key=lambda kv: -kv[1])}}
 
@@ -112,7 +121,8 @@ def main() -> None:
         ops_ms = sum(run["ms_per_step"].values())
         run["ms_per_step"]["outside ops"] = round(run["tpot_profiled_ms"] - ops_ms, 3)
         result["runs"].append(run)
-        print(f"int8={value}: TPOT {run['tpot_ms']} ms (profiled {run['tpot_profiled_ms']}), "
+        print(f"int8={value}: TPOT {run['tpot_ms']} ms (profiled {run['tpot_profiled_ms']}), CPU "
+              f"{run['cpu_ms_per_step']} ms per step, "
               f"{100 * floor_ms / min(run['tpot_ms']):.0f}% of the floor", flush=True)
         for k, v in run["ms_per_step"].items():
             print(f"    {k:28s} {v:8.2f} ms", flush=True)
