@@ -177,7 +177,7 @@ def test_dispatcher_picks_int8(isa_name: str, monkeypatch) -> None:
             few_rows = has_int8 and isa_name in ("avx512", "amx")
             assert set(ops.gguf_int8_gemv_types()) == ({12, 13, 14} if few_rows else set())
             low = gguf_quant.INT8_GEMV_MIN_ROWS if few_rows else gguf_quant.INT8_MIN_ROWS
-            assert choice.int8_min_rows == low
+            assert not int8 or choice.int8_min_rows == low
             assert kernel_choice(ops, torch.float32, q41.qtypes).path(1) != "int8"
             for m in (1, 2, 4, gguf_quant.INT8_MIN_ROWS, 7, 64, 65, 200):
                 y = gguf_linear(x[:m], fused, bias)
@@ -229,3 +229,25 @@ def test_int8_few_rows_long_weight_rows(qtype, numerics) -> None:
             check(ops.gemm_gguf_int8(x[:m], w, int(qtype), bias, dot), x[:m], ref, bias, numerics, f"{m} rows")
         yb = ops.gemm_gguf_int8(x[:m].bfloat16(), w, int(qtype), None)
         check(yb, x[:m].bfloat16().float(), ref, None, numerics, f"bf16, {m} rows")
+
+
+@pytest.mark.parametrize("isa_name", ISAS)
+@pytest.mark.parametrize("qtype", [T.Q5_0, T.Q5_1], ids=lambda t: t.name)
+def test_dispatcher_picks_int8_for_q5(isa_name: str, qtype, monkeypatch) -> None:
+    # Q5_0 / Q5_1 (and a fused weight of both): gemm_gguf_int8 for INT8_Q5_ROWS rows on avx512 / amx with
+    # PAGEDSERVE_GGUF_INT8 on, the float kernels below and above and everywhere else
+    rng = np.random.default_rng(int(qtype))
+    w = concat_rows([as_weight(raw_blocks(qtype, 8, 576, rng), qtype, 576),
+                     as_weight(raw_blocks(T.Q5_1, 8, 576, rng), T.Q5_1, 576)])
+    x = torch.randn(65, 576, generator=torch.Generator().manual_seed(0))
+    low, high = gguf_quant.INT8_Q5_ROWS
+    monkeypatch.setenv("PAGEDSERVE_GGUF_INT8", "1")
+    with kernels.use_isa(isa_name) as ops:
+        on = isa_name in ("avx512", "amx") and int8_ops(isa_name) is not None
+        choice = kernel_choice(ops, torch.float32, w.qtypes)
+        for m in (1, low - 1, low, high, high + 1):
+            want = "int8" if on and low <= m <= high else None
+            assert (choice.path(m) == "int8") == (want == "int8"), (m, choice)
+            if want:
+                parts = [ops.gemm_gguf_int8(x[:m], p, t, None) for t, p in zip(w.qtypes, w.parts)]
+                assert torch.equal(gguf_linear(x[:m], w, None), torch.cat(parts, dim=1))

@@ -28,7 +28,8 @@ and integer dot products (csrc/gguf_int8.h; from 32 rows register-tiled with eac
 csrc/gguf_int8_tiles.h), as llama.cpp does; results differ from the float kernels by x's rounding (at most
 sum |w| * dx / 2 per output). Where the variant also has the few-row int8 kernel for every type of the weight
 (avx512, amx: csrc/gguf_int8_gemv.h, gguf_int8_gemv_types()), int8 starts at 1 row (single-stream decode).
-PAGEDSERVE_GGUF_INT8=0 keeps the float kernels.
+Q5_0 / Q5_1 weights take it for INT8_Q5_ROWS rows on avx512 / amx. PAGEDSERVE_GGUF_INT8=0 keeps the float
+kernels.
 """
 from __future__ import annotations
 
@@ -74,6 +75,12 @@ INT8_MAX_ROWS_AMX = 64
 # With the few-row kernel (csrc/gguf_int8_gemv.h, avx512 / amx builds), int8 from 1 row: at 1 row of x, weights
 # cold, 1 thread, Llama-1B shapes, it reads 1.6-2.5x the GB/s of gemm_gguf (benchmarks/README.md).
 INT8_GEMV_MIN_ROWS = 1
+# Q5_0 and Q5_1 (blocks of 32) take gemm_gguf_int8 for INT8_Q5_ROWS on the avx512 / amx variants: gemm_gguf has
+# no table kernel for them beyond 4 rows. SmolLM2-135M shapes, weights cold, 1 thread, thread CPU time, 2-core
+# EPYC at load ~13: int8 1.4-1.8x faster at 8 rows, 1.7-3.0x at 16-32, 1.9-3.6x at 64, 0.5-0.9x below 8. Q4_0,
+# Q4_1 and Q8_0 stay on the float kernels (0.4-0.9x up to 8 rows, 0.9-1.8x above, mixed by shape).
+INT8_Q5_TYPES = (6, 7)
+INT8_Q5_ROWS = (8, 64)
 
 
 @dataclass(slots=True)
@@ -170,6 +177,14 @@ def _int8_types(ops) -> frozenset[int]:
 
 
 @functools.cache
+def _int8_q5_types(ops) -> frozenset[int]:
+    # INT8_Q5_TYPES where gemm_gguf_int8 multiplies them and they were timed (avx512, amx variants)
+    if ops.compiled_isa() not in ("avx512", "amx"):
+        return frozenset()
+    return frozenset(ops.gguf_int8_types()) & frozenset(INT8_Q5_TYPES)
+
+
+@functools.cache
 def _int8_gemv_types(ops) -> frozenset[int]:
     # The types gemm_gguf_int8's few-row kernel multiplies in this build (none before avx512).
     return frozenset(ops.gguf_int8_gemv_types()) if hasattr(ops, "gguf_int8_gemv_types") else frozenset()
@@ -204,10 +219,12 @@ def kernel_choice(ops, dtype: torch.dtype, qtypes: tuple[int, ...]) -> KernelCho
 @functools.cache
 def _kernel_choice(ops, dtype: torch.dtype, qtypes: tuple[int, ...], int8_allowed: bool) -> KernelChoice:
     amx = dtype == torch.bfloat16 and _amx_gemm(ops) is not None and all(t in AMX_TYPES for t in qtypes)
-    int8 = 0
+    int8, low = 0, INT8_MIN_ROWS
     if int8_allowed and all(t in _int8_types(ops) for t in qtypes):
         int8 = INT8_MAX_ROWS_AMX if dtype == torch.bfloat16 and ops.compiled_isa() == "amx" else sys.maxsize
-    low = INT8_GEMV_MIN_ROWS if all(t in _int8_gemv_types(ops) for t in qtypes) else INT8_MIN_ROWS
+        low = INT8_GEMV_MIN_ROWS if all(t in _int8_gemv_types(ops) for t in qtypes) else INT8_MIN_ROWS
+    elif int8_allowed and all(t in _int8_q5_types(ops) for t in qtypes):
+        low, int8 = INT8_Q5_ROWS
     if not _has_decode_kernel(ops):
         return KernelChoice(PORTABLE_MAX_ROWS, amx, int8, low)
     return KernelChoice(DECODE_MAX_ROWS_AMX if amx else DECODE_MAX_ROWS, amx, int8, low)
