@@ -5,9 +5,9 @@ the weights' integer quants into it; so its result is gguf's dequantized weight 
 float32 rounding, and differs from the float kernels' by at most sum_k |w_k| * dx / 2 (x's rounding). Both are
 checked on random blocks of every type the kernel has (every bit pattern of quants, packed scales and high
 bits), for rows of x 1..301 (odd counts, more than one pass of 64; the k-quants' register tiles from 32 rows,
-csrc/gguf_int8_tiles.h, with partial tiles of x and of weight rows, and K in several slices), float32 and bf16 x, both dot products this
-CPU runs (VNNI and vpmaddubsw + vpmaddwd) and every kernel variant the parity tests run (avx512 / amx and avx2
-have the kernel; baseline, which has none, must never pick it)."""
+csrc/gguf_int8_tiles.h, with partial tiles of x and of weight rows, and K in several slices), float32 and bf16
+x, both dot products this CPU runs (VNNI and vpmaddubsw + vpmaddwd) and every kernel variant the parity tests
+run (avx512 / amx and avx2 have the kernel; baseline, which has none, must never pick it)."""
 from __future__ import annotations
 
 import sys
@@ -131,8 +131,8 @@ def test_int8_kernel_matches_quantized_x(isa_name: str, qtype, numerics) -> None
 @pytest.mark.parametrize("qtype", [T.Q4_K, T.Q5_K, T.Q6_K], ids=lambda t: t.name)
 def test_int8_tiles_long_rows(isa_name: str, qtype, numerics) -> None:
     # The register tiles (csrc/gguf_int8_tiles.h) where the other test's shapes do not reach: 2,560 inputs (K in
-    # two slices of at most 8 groups, the second partial), 210 rows of x (two chunks of reordered x at 204 rows
-    # each), 9 weight rows (panels of 4 rows, the last one partial).
+    # two slices of 5 groups), 210 rows of x (two chunks of 105 rows: 512 KB of x at most), 9 weight rows
+    # (panels of 4 rows, the last one partial).
     ops = int8_ops(isa_name)
     if ops is None:
         pytest.skip(f"no int8 kernel in the {isa_name} build")

@@ -8,11 +8,12 @@
 //     a whole group into lanes that each belong to one scale, applied once per group in float: d * scale per
 //     lane (exact in float32: an f16 times a 6- or 8-bit integer), times dx, plus the offsets times x's sums
 //     per 16 as in gguf_int8.h.
-//   - As in a blocked float GEMM, x runs in chunks of at most kChunkBytes (quantized once per call, reordered
-//     once, in L2) and, per chunk, threads split the weight rows into panels of at most kPanelBytes of rebuilt
-//     groups (Packed: reordered quants, the 16 float scales and offsets), which stay in L2 while tiles of
-//     kTileX rows of x run against kTileW weight rows at a time, with kTileW x kTileX int32 and float sums in
-//     registers.
+//   - As in a blocked float GEMM, x (quantized and reordered once per call) runs in chunks of at most
+//     kChunkBytes (in L2) against panels of weight rows of at most kPanelBytes of rebuilt groups (Packed:
+//     reordered quants, the 16 float scales and offsets; also in L2), one (chunk, panel) item at a time, the
+//     items taken by whichever thread is free; within an item, tiles of kTileX rows of x run against kTileW
+//     weight rows at a time, with kTileW x kTileX int32 and float sums in registers, K in slices of
+//     kSliceGroups groups so that a tile's operands stay in L1.
 // Results equal x^ W^T up to float32 rounding (the bound of tests/model/test_gguf_int8.py): the integers are
 // exact, each lane's scale one rounding, the additions across lanes and groups in another order than
 // gguf_int8.h's driver.
@@ -25,6 +26,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -198,14 +200,15 @@ template <class Dot, int X>
 }
 
 // Rows m0 .. m1 - 1 of y, columns n0 .. n0 + rows - 1, from the rebuilt panel; xq: reordered x from row m0.
-// K in slices of kSliceGroups groups, so that a tile's weights and x stay in L1; between slices each tile's
-// float sums wait in `sums` ([x tile][weight tile][kTileW][kTileX] vectors).
+// K in even slices of at most kSliceGroups groups, so that a tile's weights and x stay in L1; between slices
+// each tile's float sums wait in `sums` ([x tile][weight tile][kTileW][kTileX] vectors).
 template <class Dot, typename Out>
 [[gnu::always_inline]] inline void run_panel(const Args& a, const int8_t* xq, int64_t m0, int64_t m1, int64_t n0,
                                              int64_t rows, const Packed* buf, FVec (*sums)[kTileX]) {
   const int64_t groups = a.x.groups, wtiles = (rows + kTileW - 1) / kTileW;
-  for (int64_t g0 = 0; g0 < groups; g0 += kSliceGroups) {
-    const int64_t g1 = std::min(groups, g0 + kSliceGroups);
+  const int64_t slices = (groups + kSliceGroups - 1) / kSliceGroups, slice = (groups + slices - 1) / slices;
+  for (int64_t g0 = 0; g0 < groups; g0 += slice) {
+    const int64_t g1 = std::min(groups, g0 + slice);
     for (int64_t m = m0; m < m1; m += kTileX) {
       const int64_t xr = std::min<int64_t>(kTileX, m1 - m);
       for (int64_t j = 0; j < rows; j += kTileW) {
@@ -226,31 +229,35 @@ template <class Dot, typename Out>
   }
 }
 
-// Panels p0 .. p1 - 1 (panel_rows weight rows each; one thread's share) times rows m0 .. m1 - 1 of x.
+// Work items (chunk of rows of x, panel of weight rows), chunk after chunk, each taken by whichever thread
+// is free (on a busy machine a thread may lose its core for a while: no static split waits for it).
+struct Work {
+  const int8_t* xq;  // x reordered, all rows
+  int64_t chunk, panel_rows, panels, items;
+  std::atomic<int64_t>* next;
+};
+
 template <int64_t T, class Dot, typename Out>
-[[gnu::always_inline]] inline void panels(const Args& a, const int8_t* xq, int64_t m0, int64_t m1,
-                                          int64_t panel_rows, int64_t p0, int64_t p1, Packed* buf,
-                                          FVec (*sums)[kTileX]) {
-  for (int64_t p = p0; p < p1; ++p) {
-    const int64_t n0 = p * panel_rows, rows = std::min(panel_rows, a.n - n0);
+[[gnu::always_inline]] inline void run(const Args& a, const Work& w, Packed* buf, FVec (*sums)[kTileX]) {
+  for (int64_t i; (i = w.next->fetch_add(1, std::memory_order_relaxed)) < w.items;) {
+    const int64_t m0 = i / w.panels * w.chunk, m1 = std::min(a.m, m0 + w.chunk);
+    const int64_t n0 = i % w.panels * w.panel_rows, rows = std::min(w.panel_rows, a.n - n0);
     rebuild_panel<T>(a, n0, rows, buf);
-    run_panel<Dot, Out>(a, xq, m0, m1, n0, rows, buf, sums);
+    run_panel<Dot, Out>(a, w.xq + m0 * a.x.kpad, m0, m1, n0, rows, buf, sums);
   }
 }
 
 // The thread's work in functions of their own: VNNI's dot products inline only into code compiled for it.
 template <int64_t T, typename Out>
-[[gnu::noinline]] void panels_plain(const Args& a, const int8_t* xq, int64_t m0, int64_t m1, int64_t panel_rows,
-                                    int64_t p0, int64_t p1, Packed* buf, FVec (*sums)[kTileX]) {
-  panels<T, Dot4Plain, Out>(a, xq, m0, m1, panel_rows, p0, p1, buf, sums);
+[[gnu::noinline]] void run_plain(const Args& a, const Work& w, Packed* buf, FVec (*sums)[kTileX]) {
+  run<T, Dot4Plain, Out>(a, w, buf, sums);
 }
 
 #if defined(PAGEDSERVE_GGUF_INT8_VNNI)
 template <int64_t T, typename Out>
-[[gnu::noinline, gnu::target("avx512vnni")]] void panels_vnni(const Args& a, const int8_t* xq, int64_t m0,
-                                                              int64_t m1, int64_t panel_rows, int64_t p0,
-                                                              int64_t p1, Packed* buf, FVec (*sums)[kTileX]) {
-  panels<T, Dot4Vnni, Out>(a, xq, m0, m1, panel_rows, p0, p1, buf, sums);
+[[gnu::noinline, gnu::target("avx512vnni")]] void run_vnni(const Args& a, const Work& w, Packed* buf,
+                                                           FVec (*sums)[kTileX]) {
+  run<T, Dot4Vnni, Out>(a, w, buf, sums);
 }
 #endif
 
@@ -260,33 +267,33 @@ void gemm(const Args& a, bool vnni) {
   static_assert(kIntScales<T>);
   (void)vnni;
   const Quantized& x = a.x;
-  // x reordered per group, in chunks of rows
-  const int64_t chunk = std::max<int64_t>(kTileX, kChunkBytes / x.kpad / kTileX * kTileX);
-  std::vector<int8_t> xbuf(std::min(chunk, a.m) * x.kpad + 64);
+  std::vector<int8_t> xbuf(a.m * x.kpad + 64);
   int8_t* xq = reinterpret_cast<int8_t*>((reinterpret_cast<uintptr_t>(xbuf.data()) + 63) & ~uintptr_t{63});
-  // panels: at most kPanelBytes, at least 4 per thread where the weight has the rows
+  at::parallel_for(0, a.m, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t g = 0; g < x.groups; ++g) reorder(x.q + r * x.kpad + g * kGroup, xq + r * x.kpad + g * kGroup);
+  });
+  // chunks of x within kChunkBytes; panels within kPanelBytes, at least 4 per thread where the weight has the
+  // rows
+  const int64_t most = std::max<int64_t>(kTileX, kChunkBytes / x.kpad), chunks = (a.m + most - 1) / most;
+  const int64_t chunk = ((a.m + chunks - 1) / chunks + kTileX - 1) / kTileX * kTileX;  // even chunks
   const int64_t threads = at::get_num_threads();
   const int64_t row_bytes = static_cast<int64_t>(sizeof(Packed)) * x.groups;  // rebuilt
   int64_t panel_rows = std::max<int64_t>(kTileW, kPanelBytes / row_bytes / kTileW * kTileW);
   const int64_t spread = ((a.n + 4 * threads - 1) / (4 * threads) + kTileW - 1) / kTileW * kTileW;
   panel_rows = std::min(panel_rows, std::max<int64_t>(kTileW, spread));
-  for (int64_t m0 = 0; m0 < a.m; m0 += chunk) {
-    const int64_t m1 = std::min(a.m, m0 + chunk);
-    at::parallel_for(m0, m1, 16, [&](int64_t r0, int64_t r1) {
-      for (int64_t r = r0; r < r1; ++r)
-        for (int64_t g = 0; g < x.groups; ++g)
-          reorder(x.q + r * x.kpad + g * kGroup, xq + (r - m0) * x.kpad + g * kGroup);
-    });
-    at::parallel_for(0, (a.n + panel_rows - 1) / panel_rows, 1, [&](int64_t p0, int64_t p1) {
-      std::unique_ptr<Packed[]> buf(new Packed[panel_rows * x.groups]);
-      std::unique_ptr<Sums[]> sums(new Sums[(chunk + kTileX - 1) / kTileX * (panel_rows / kTileW)]);
-      FVec(*s)[kTileX] = reinterpret_cast<FVec(*)[kTileX]>(sums.get());
+  const int64_t panels = (a.n + panel_rows - 1) / panel_rows;
+  std::atomic<int64_t> next{0};
+  const Work w{xq, chunk, panel_rows, panels, (a.m + chunk - 1) / chunk * panels, &next};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    std::unique_ptr<Packed[]> buf(new Packed[panel_rows * x.groups]);
+    std::unique_ptr<Sums[]> sums(new Sums[(std::min(chunk, a.m) + kTileX - 1) / kTileX * (panel_rows / kTileW)]);
+    FVec(*s)[kTileX] = reinterpret_cast<FVec(*)[kTileX]>(sums.get());
 #if defined(PAGEDSERVE_GGUF_INT8_VNNI)
-      if (vnni) return panels_vnni<T, Out>(a, xq, m0, m1, panel_rows, p0, p1, buf.get(), s);
+    if (vnni) return run_vnni<T, Out>(a, w, buf.get(), s);
 #endif
-      panels_plain<T, Out>(a, xq, m0, m1, panel_rows, p0, p1, buf.get(), s);
-    });
-  }
+    run_plain<T, Out>(a, w, buf.get(), s);
+  });
 }
 
 }  // namespace pagedserve::gguf::int8::tiles
