@@ -133,10 +133,14 @@ def stop_process(proc: subprocess.Popen, timeout_s: float = 30) -> None:
         proc.wait()
 
 
-def int8_child_run(script: str, value: str) -> dict:
-    # Runs `script` again with this process's arguments plus --child, PAGEDSERVE_GGUF_INT8=value (the
-    # dispatcher reads it once per process); returns the JSON dict its last stdout line prints, with int8=value.
-    env = dict(os.environ, PAGEDSERVE_GGUF_INT8=value)
-    out = subprocess.run([sys.executable, script, *sys.argv[1:], "--child"], env=env, check=True,
+def child_run(script: str, *extra_args: str, env: dict | None = None) -> dict:
+    # Runs `script` again with this process's arguments plus extra_args (one setting per process, A/B in turns);
+    # returns the JSON dict its last stdout line prints.
+    out = subprocess.run([sys.executable, script, *sys.argv[1:], *extra_args], env=env, check=True,
                          capture_output=True, text=True).stdout.strip().splitlines()[-1]
-    return dict(json.loads(out), int8=value)
+    return json.loads(out)
+
+
+def int8_child_run(script: str, value: str) -> dict:
+    # child_run with --child and PAGEDSERVE_GGUF_INT8=value (the dispatcher reads it once per process), int8=value.
+    return dict(child_run(script, "--child", env=dict(os.environ, PAGEDSERVE_GGUF_INT8=value)), int8=value)

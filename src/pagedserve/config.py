@@ -76,6 +76,9 @@ class ModelConfig:
     # (model/weight_quant.py). The engine stores the resolved name.
     quantization: str | None = None
     load_format: str = "auto"  # one of LOAD_FORMATS
+    # --batch-invariant: every reduction in an order independent of the batch, so a greedy request gives the same
+    # tokens alone or batched, cached, chunked or speculated (docs/batch_invariance.md); costs some speed.
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:

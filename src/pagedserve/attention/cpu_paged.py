@@ -13,6 +13,10 @@ layout); anything else (float16) goes to the reference backend.
 
 Sliding-window and soft-capped layers (Mistral v0.1, Gemma, Phi-3) run the same kernel with their window and
 cap (paged_attention_windowed): a tile reads only the blocks inside its rows' windows.
+
+batch_invariant (--batch-invariant): each query's output is the same whatever else shares the call (decoded alone,
+verified with k speculative tokens, inside a prefill chunk of any length, beside sequences that share its prefix):
+the kernel's invariant form (kernels/csrc/attention_tile.h), never the reference's SDPA.
 """
 from __future__ import annotations
 
@@ -35,28 +39,36 @@ class CpuPagedAttentionBackend:
     name = "cpu"
 
     def __init__(self, ops, max_kernel_q_len: int = MAX_KERNEL_Q_LEN, sliding_window: int | None = None,
-                 logit_softcap: float | None = None) -> None:
+                 logit_softcap: float | None = None, batch_invariant: bool = False) -> None:
         self.ops = ops
         self.max_kernel_q_len = max_kernel_q_len
         self.sliding_window = sliding_window
         self.logit_softcap = logit_softcap
+        self.batch_invariant = batch_invariant
         self._reference = ReferenceAttentionBackend(sliding_window, logit_softcap)
 
     def with_window(self, sliding_window: int | None, logit_softcap: float | None) -> CpuPagedAttentionBackend:
-        return CpuPagedAttentionBackend(self.ops, self.max_kernel_q_len, sliding_window, logit_softcap)
+        return CpuPagedAttentionBackend(self.ops, self.max_kernel_q_len, sliding_window, logit_softcap,
+                                        self.batch_invariant)
+
+    def with_batch_invariance(self, on: bool) -> CpuPagedAttentionBackend:
+        if on and self.max_kernel_q_len >= 0:
+            raise ValueError("batch-invariant attention runs every sequence in the kernel (max_kernel_q_len < 0)")
+        return CpuPagedAttentionBackend(self.ops, self.max_kernel_q_len, self.sliding_window, self.logit_softcap, on)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
         if query.device.type != "cpu" or not kernel_supports(query.dtype, kv_cache.dtype):
             return self._reference.forward(query, key, value, kv_cache, meta, scale)
         limit = self.max_kernel_q_len
-        if self.sliding_window is None and self.logit_softcap is None:
+        if self.sliding_window is None and self.logit_softcap is None and not self.batch_invariant:
             out = self.ops.paged_attention(query, key, value, kv_cache, meta.slot_mapping, meta.block_tables,
                                            meta.seq_lens, meta.query_start_loc, scale, limit)
         else:
             out = self.ops.paged_attention_windowed(
                 query, key, value, kv_cache, meta.slot_mapping, meta.block_tables, meta.seq_lens,
-                meta.query_start_loc, scale, limit, self.sliding_window or 0, self.logit_softcap or 0.0)
+                meta.query_start_loc, scale, limit, self.sliding_window or 0, self.logit_softcap or 0.0,
+                self.batch_invariant)
         if limit >= 0 and max(meta.query_lens_list) > limit:
             start = 0
             for i, q_len in enumerate(meta.query_lens_list):

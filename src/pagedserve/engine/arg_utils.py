@@ -36,6 +36,7 @@ class EngineArgs:
     attention_backend: str = _default(ModelConfig, "attention_backend")
     quantization: str | None = _default(ModelConfig, "quantization")
     load_format: str = _default(ModelConfig, "load_format")
+    batch_invariant: bool = _default(ModelConfig, "batch_invariant")
     block_size: int = _default(CacheConfig, "block_size")
     kv_cache_memory_bytes: int | None = _default(CacheConfig, "kv_cache_memory_bytes")
     kv_cache_fraction: float = _default(CacheConfig, "kv_cache_fraction")
@@ -88,6 +89,9 @@ class EngineArgs:
         g.add_argument("--load-format", choices=LOAD_FORMATS, default=d.load_format,
                        help="auto: the weights in --model; dummy: random weights of its config's shape (only "
                             "config.json and the tokenizer are read), to benchmark a model without its weights")
+        g.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=d.batch_invariant,
+                       help="greedy outputs independent of the batch, the prefix cache, chunking and speculation "
+                            "(docs/batch_invariance.md)")
         g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
         mem = g.add_mutually_exclusive_group()
         mem.add_argument("--kv-cache-memory", "--kv-cache-memory-bytes", dest="kv_cache_memory_bytes", type=int,
@@ -168,7 +172,8 @@ class EngineArgs:
             scheduler.check_fits(self.max_model_len)
         config = EngineConfig(
             model=ModelConfig(self.model, self.tokenizer, self.max_model_len, self.dtype, self.seed,
-                              self.chat_template, self.attention_backend, self.quantization, self.load_format),
+                              self.chat_template, self.attention_backend, self.quantization, self.load_format,
+                              self.batch_invariant),
             cache=CacheConfig(self.block_size, self.kv_cache_memory_bytes, self.kv_cache_fraction,
                               self.num_gpu_blocks_override, self.enable_prefix_caching, self.swap_space,
                               self.preemption_mode, self.kv_cache_dtype, self.prefault_kv_cache,

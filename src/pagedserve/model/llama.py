@@ -17,17 +17,17 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.attention.backend import AttentionBackend
+from pagedserve.attention.cpu_paged import CpuPagedAttentionBackend
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.distributed.parallel_state import TensorParallelGroup
 from pagedserve.kv_spec import head_dim_of
 from pagedserve.model.decoder_layer import LlamaDecoderLayer
 from pagedserve.model.family import DecoderFamily, decoder_family, split_fused_weights
 from pagedserve.model.layers.decoder_stack import DecoderStack
-from pagedserve.model.layers.linear import Linear, pack_linear_weights, pack_weight, packed_linear
+from pagedserve.model.layers.linear import Linear, dense_linear, pack_linear_weights, pack_weight
 from pagedserve.model.layers.norm import RMSNorm
 from pagedserve.model.layers.parallel import embedding, gather_logits
 from pagedserve.model.layers.rotary import RotaryEmbedding, longrope_switch_len
@@ -87,6 +87,7 @@ class LlamaForCausalLM(nn.Module):
         self._lm_head_blocks = None
         # The layers in one compiled call where they qualify (layers/decoder_stack.py); False: not looked at yet.
         self._stack: DecoderStack | None | bool = False
+        self.batch_invariant = False  # set_batch_invariant
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata, long_rope: torch.Tensor | None = None) -> torch.Tensor:
@@ -121,10 +122,30 @@ class LlamaForCausalLM(nn.Module):
     def _local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         if self._lm_head_blocks is not None:  # blocks only (--quantization, model/weight_quant.py)
-            return block_logits(hidden, self._lm_head_blocks)
-        if self._lm_head_packed is None:
-            return F.linear(hidden, weight)
-        return packed_linear(hidden, weight, self._lm_head_packed)
+            return block_logits(hidden, self._lm_head_blocks, self.batch_invariant)
+        return dense_linear(hidden, weight, self._lm_head_packed, None, self.batch_invariant)
+
+    def set_batch_invariant(self, on: bool = True) -> None:
+        # Every reduction in an order that does not depend on the batch (docs/batch_invariance.md): the linears
+        # and the LM head through row-independent kernels, attention through the kernel's invariant form.
+        # ValueError where a layer's attention has no such form (the reference backend's SDPA).
+        backends = {}
+        for layer in self.model.layers:
+            attn = layer.self_attn
+            backend = attn.attn_backend
+            if not isinstance(backend, CpuPagedAttentionBackend):
+                if not on:
+                    continue
+                raise ValueError(f"--batch-invariant needs the compiled CPU attention kernel; this model's layers "
+                                 f"attend through the {backend.name!r} backend")
+            if id(backend) not in backends:
+                backends[id(backend)] = backend.with_batch_invariance(on)
+            attn.attn_backend = backends[id(backend)]
+        for m in self.modules():
+            if isinstance(m, Linear):
+                m.batch_invariant = on
+        self.batch_invariant = on
+        self._stack = False  # the compiled stack reads the mode when it is built
 
     def pack_weights(self) -> None:
         # The float32 CPU fast paths' weight copies (layers/linear.py); run after every weight load.

@@ -27,14 +27,13 @@ import gc
 import logging
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagedserve import kernels
 from pagedserve.config import QUANTIZATIONS
 from pagedserve.malloc import release_free_memory
 from pagedserve.model.layers.gguf_quant import GGUFWeight, gguf_dequantize, gguf_embedding
-from pagedserve.model.layers.linear import Linear, quant_linear
+from pagedserve.model.layers.linear import Linear, dense_linear, quant_linear
 
 logger = logging.getLogger(__name__)
 
@@ -120,11 +119,11 @@ def apply_quantization(model: nn.Module, method: str) -> None:
                 _weight_bytes(model) / 1e6, dense_before / 1e6)
 
 
-def block_logits(hidden: torch.Tensor, blocks) -> torch.Tensor:
+def block_logits(hidden: torch.Tensor, blocks, invariant: bool = False) -> torch.Tensor:
     # LM head through its blocks at any number of rows; a transient dense copy where no kernel takes `hidden`.
-    logits = quant_linear(hidden, blocks)
+    logits = quant_linear(hidden, blocks, None, invariant)
     if logits is None:
-        return F.linear(hidden, gguf_dequantize(blocks[1]).to(hidden))
+        return dense_linear(hidden, gguf_dequantize(blocks[1]).to(hidden), None, None, invariant)
     return logits
 
 

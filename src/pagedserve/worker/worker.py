@@ -65,6 +65,8 @@ class Worker:
         # Ranks 1..N-1 load with "none": rank 0 resolved --quantization, and a quantized model refuses TP.
         self.loaded = load_model(m.model, self.device, self.dtype, m.attention_backend, m.tokenizer,
                                  m.quantization if self.is_driver else "none", tp=self.tp, load_format=m.load_format)
+        if m.batch_invariant:
+            self.loaded.model.set_batch_invariant(True)
         spec = self.config.speculative
         if spec is not None and spec.method == "draft_model":
             dtype = draft_dtype(spec, self.dtype)

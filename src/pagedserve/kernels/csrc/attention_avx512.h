@@ -284,12 +284,14 @@ template <int NV, typename CT>
 void attend_rows_avx512(const Tile& t, const float* q, float* o, float* lse, std::vector<float>& scratch) {
   constexpr int D = 16 * NV;
   const int64_t rph = rows_per_head(t), rows = rph * t.kv_heads;
-  scratch.assign(16 + rows * (D + 2) + (rph > kDirectRows ? transposed_buffer<NV, CT>(t) : 0), 0.f);
+  // batch-invariant tiles: the direct path at every size (attention_tile.h)
+  const bool direct = rph <= kDirectRows || t.invariant;
+  scratch.assign(16 + rows * (D + 2) + (direct ? 0 : transposed_buffer<NV, CT>(t)), 0.f);
   float* acc = align64(scratch.data());
   float* m = acc + rows * D;
   float* l = m + rows;
   std::fill(m, m + rows, kMinScore);
-  if (rph <= kDirectRows) {
+  if (direct) {
     attend_rows_direct<NV, CT>(t, q, acc, m, l);
   } else {
     attend_rows_transposed<NV, CT>(t, q, acc, m, l, l + rows);

@@ -13,6 +13,13 @@
 // A tile may walk only part of the keys, [key_begin, key_end), and leave a partial result: its float32
 // outputs and each row's log-sum-exp (m + log l), which the caller merges with the other parts of the same
 // rows (paged_attention.cpp: decode sequences that share their leading blocks read them once, together).
+//
+// A batch-invariant tile (`invariant`) computes each row exactly as a one-token tile of the same row would, so
+// that a token's output does not depend on how many tokens share its tile (decode, k + 1 verified speculative
+// tokens, a prefill chunk of any length): plain tiles take the AVX-512 direct path at every size (never the
+// transposed or AMX paths, which sum a row's scores in another order), windowed and capped tiles the portable
+// path (never the decode tile's sub-block walk). Both walk a row's keys in the same sub-blocks in the same
+// order whatever the tile; keys past a row's position contribute exact zeros (p = 0, correction 1).
 #pragma once
 
 #include <algorithm>
@@ -50,6 +57,7 @@ struct Tile {
   int64_t key_end = 0;      // key_end at most pos0 + n_q (every key a row may see: causal)
   int64_t window = 0;       // > 0: the row at position p sees keys p - window + 1 .. p only (sliding window)
   float softcap = 0.f;      // > 0: scores become softcap * tanh(score / softcap) (Gemma 2)
+  bool invariant = false;   // batch-invariant: every row reduces its keys as a one-token tile would (below)
   float* part = nullptr;    // when set: float32 outputs go here (o_*_stride apart) instead of out,
   float* lse = nullptr;     // and each row's log-sum-exp here (lse_tok_stride per token, 1 per head)
   int64_t lse_tok_stride = 0;
@@ -245,7 +253,7 @@ inline void attend_rows(const Tile& t, const float* q, float* o, float* lse, std
 #if defined(__AVX512F__)
   // A decode tile (one token) has one window for all its rows: it walks from the window's first key, which
   // need not start a block (the AVX-512 path reads sub-blocks from any position).
-  if (t.softcap == 0.f && (t.window == 0 || t.n_q == 1)) {
+  if (t.softcap == 0.f && (t.window == 0 || (t.n_q == 1 && !t.invariant))) {
     Tile u = t;
     u.key_begin = first_key(t);
     u.window = 0;
@@ -271,7 +279,7 @@ inline void attend_tile(const Tile& t, TileScratch& scratch) {
   float* lse = t.part != nullptr ? o + n : nullptr;
 #if defined(PAGEDSERVE_AMX)
   if constexpr (amx_types_v<QT, CT>) {
-    if (amx_applies(t) && t.window == 0 && t.softcap == 0.f) {
+    if (amx_applies(t) && t.window == 0 && t.softcap == 0.f && !t.invariant) {
       attend_tile_amx<CT>(t, o, lse, scratch.work);
       store_outputs<QT>(t, o, lse);
       return;

@@ -5,13 +5,14 @@
 // stream. Each op is still called through the dispatcher (its own checks included); the handles are looked up
 // once.
 //   decoder_layers(x, positions, kv_caches, <attention metadata>, scale, cos_sin, norms, weights, qtypes, parts,
-//                  biases, gemm_ids, heads, eps) -> (x, residual)
+//                  biases, gemm_ids, heads, eps, batch_invariant) -> (x, residual)
 // Per layer i: norms[2i], norms[2i+1] (input / post-attention RMSNorm weights); linears 4i..4i+3 (qkv, o,
 // gate_up, down), linear j made of parts[j] row segments of GGUF blocks of one type each (a Q4_K_M qkv_proj:
 // Q4_K and Q6_K), listed in order in weights and their types in qtypes; biases[j] (None for none); gemm_ids[j]
 // the kernel of linear j: 0 gemm_gguf, 1 gemm_gguf_amx, 2 gemm_gguf_int8 (model/layers/gguf_quant.py's
 // kernel_choice picks, as it does per call from Python: GEMM_IDS); heads = [num_heads, num_kv_heads,
-// head_dim]. x: the embeddings [tokens, hidden];
+// head_dim]; batch_invariant: attention in its batch-invariant form (paged_attention_windowed's flag; the
+// caller picks row-independent GEMMs in gemm_ids). x: the embeddings [tokens, hidden];
 // returns the last layer's output and the residual stream (the hidden state is their sum, pre-final-norm).
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -47,7 +48,7 @@ using AddNormSig = void(Tensor, Tensor, const Tensor&, double);
 using RotarySig = void(Tensor, Tensor, const Tensor&, const Tensor&);
 using ActSig = Tensor(const Tensor&);
 using AttentionSig = Tensor(const Tensor&, const Tensor&, const Tensor&, Tensor, const Tensor&, const Tensor&,
-                            const Tensor&, const Tensor&, double, int64_t);
+                            const Tensor&, const Tensor&, double, int64_t, int64_t, double, bool);
 using GemmSig = Tensor(const Tensor&, const Tensor&, int64_t, const OptTensor&);
 using AmxSig = Tensor(const Tensor&, const Tensor&, int64_t, const OptTensor&, std::optional<at::ScalarType>);
 using Int8Sig = Tensor(const Tensor&, const Tensor&, int64_t, const OptTensor&, std::optional<bool>);
@@ -57,7 +58,7 @@ struct Ops {
   Op<AddNormSig> add_rms_norm = handle<AddNormSig>("fused_add_rms_norm_");
   Op<RotarySig> rotary = handle<RotarySig>("rotary_embedding_");
   Op<ActSig> silu_and_mul = handle<ActSig>("silu_and_mul");
-  Op<AttentionSig> attention = handle<AttentionSig>("paged_attention");
+  Op<AttentionSig> attention = handle<AttentionSig>("paged_attention_windowed");
   Op<GemmSig> gemm = handle<GemmSig>("gemm_gguf");
   Op<Int8Sig> int8_gemm = handle<Int8Sig>("gemm_gguf_int8");
 };
@@ -80,7 +81,8 @@ std::tuple<Tensor, Tensor> decoder_layers(const Tensor& embeddings, const Tensor
                                           const std::vector<Tensor>& norms, const std::vector<Tensor>& weights,
                                           c10::IntArrayRef qtypes, c10::IntArrayRef parts,
                                           const std::vector<OptTensor>& biases,
-                                          c10::IntArrayRef gemm_ids, c10::IntArrayRef heads, double eps) {
+                                          c10::IntArrayRef gemm_ids, c10::IntArrayRef heads, double eps,
+                                          bool batch_invariant) {
   constexpr const char* op = "decoder_layers";
   const auto layers = static_cast<int64_t>(kv_caches.size());
   TORCH_CHECK(layers > 0, op, ": no layers");
@@ -136,7 +138,7 @@ std::tuple<Tensor, Tensor> decoder_layers(const Tensor& embeddings, const Tensor
     const Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, heads[1], heads[2]});
     o.rotary.call(q, k, positions, cos_sin);
     const Tensor attn = o.attention.call(q, k, v, kv_caches[i], slot_mapping, block_tables, seq_lens,
-                                         query_start_loc, scale, -1);
+                                         query_start_loc, scale, -1, 0, 0.0, batch_invariant);
     x = linear(attn.reshape({tokens, q_size}), 4 * i + 1);
     o.add_rms_norm.call(x, residual, norms[2 * i + 1], eps);
     x = linear(o.silu_and_mul.call(linear(x, 4 * i + 2)), 4 * i + 3);
@@ -149,7 +151,7 @@ std::tuple<Tensor, Tensor> decoder_layers(const Tensor& embeddings, const Tensor
 PAGEDSERVE_LIBRARY_FRAGMENT(m) {
   m.def("decoder_layers(Tensor x, Tensor positions, Tensor(a!)[] kv_caches, Tensor slot_mapping, "
         "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale, Tensor cos_sin, Tensor[] norms, "
-        "Tensor[] weights, int[] qtypes, int[] parts, Tensor?[] biases, int[] gemm_ids, int[] heads, float eps) "
-        "-> (Tensor, Tensor)");
+        "Tensor[] weights, int[] qtypes, int[] parts, Tensor?[] biases, int[] gemm_ids, int[] heads, float eps, "
+        "bool batch_invariant=False) -> (Tensor, Tensor)");
   m.impl("decoder_layers", c10::DispatchKey::CPU, decoder_layers);
 }

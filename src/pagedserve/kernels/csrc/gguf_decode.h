@@ -16,10 +16,11 @@
 //     bits, so the zero-extended bytes index the low nibbles as they are). d * k is exact in float32 (an
 //     11-bit mantissa times at most 4 bits), so every weight is bit for bit the float dequant_gguf
 //     returns, as it is on avx2, where the quants widen to int32 and float and w = d * q (+ m);
-//   - Q8_0: the quants widen with vpmovsx to int32 and float; for 1-2 rows of x (avx512) a block's sum is
-//     d * (x . q), one multiply by d per block and row of x instead of one per 16 weights; for more rows,
-//     and on avx2, w = d * q is exact and multiplied into x.
-//   So the results differ from dequant_gguf(W) @ x only by the order and grouping of the float32 sums;
+//   - Q8_0: the quants widen with vpmovsx to int32 and float; w = d * q is exact and multiplied into x (at
+//     every number of rows of x: a block's sum as d * (x . q) for 1-2 rows saved a multiply but rounded those
+//     rows differently, and a row's result must not depend on the rows beside it).
+//   So the results differ from dequant_gguf(W) @ x only by the order and grouping of the float32 sums, and each
+//   row of x gets the same sums in the same order whatever the number of rows (batch invariance);
 //   - every rebuilt weight vector is multiplied into all MR rows of x at once (x stays in L1), into
 //     R x MR independent accumulators: R weight rows at a time hide the FMA latency even for one row of x;
 //   - each row's blocks are prefetched ahead of where the tile reads them (4 KB for up to 4 rows of x).
@@ -105,16 +106,9 @@ inline void block(const uint8_t* blk, float d, float m, const float* x, int64_t 
     const __m128i* q = reinterpret_cast<const __m128i*>(blk + 2);
     const Vec q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q)));
     const Vec q1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1)));
-    if constexpr (MR <= 2) {
-      // d * (x . q): one multiply by d per block and row of x instead of two per block
-      for (int r = 0; r < MR; ++r) {
-        const Vec s = fma(q1, load(x + r * stride + 16), _mm512_mul_ps(q0, load(x + r * stride)));
-        acc[r] = fma(s, _mm512_set1_ps(d), acc[r]);
-      }
-    } else {
-      const Vec w0 = _mm512_mul_ps(q0, _mm512_set1_ps(d)), w1 = _mm512_mul_ps(q1, _mm512_set1_ps(d));
-      for (int r = 0; r < MR; ++r) acc[r] = fma(w1, load(x + r * stride + 16), fma(w0, load(x + r * stride), acc[r]));
-    }
+    // w = d * q (exact) at every MR: a row's sums do not depend on how many rows of x share the pass
+    const Vec w0 = _mm512_mul_ps(q0, _mm512_set1_ps(d)), w1 = _mm512_mul_ps(q1, _mm512_set1_ps(d));
+    for (int r = 0; r < MR; ++r) acc[r] = fma(w1, load(x + r * stride + 16), fma(w0, load(x + r * stride), acc[r]));
   } else {
     // the 16 weights a nibble stands for, d * k + m (Q4_1) or d * (k - 8) (Q4_0), looked up by the nibbles:
     // vpermps reads only an index's low 4 bits, so q's bytes index directly (low nibbles) and after a

@@ -187,7 +187,7 @@ template <typename QT, typename CT>
 at::Tensor paged_attention_typed(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                                  at::Tensor& kv_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                                  const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
-                                 int64_t max_q_len, int64_t window, double softcap) {
+                                 int64_t max_q_len, int64_t window, double softcap, bool invariant) {
   const int64_t num_tokens = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
   const int64_t block_size = kv_cache.size(2), num_kv_heads = kv_cache.size(3);
   const int64_t group = num_heads / num_kv_heads;
@@ -226,9 +226,10 @@ at::Tensor paged_attention_typed(const at::Tensor& query, const at::Tensor& key,
   // 2. Work items: one Tile each (attention_tile.h).
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t table_width = block_tables.size(1);
-  // A window or a soft cap: no shared parts (a shared prefix's keys may be outside a member's window).
+  // A window or a soft cap: no shared parts (a shared prefix's keys may be outside a member's window); batch-
+  // invariant: none either (a merged part sums a row's keys in another order than walking them).
   const std::vector<SharedPrefix> groups =
-      max_q_len == 0 || window > 0 || softcap > 0
+      max_q_len == 0 || window > 0 || softcap > 0 || invariant
           ? std::vector<SharedPrefix>{} : shared_prefixes(qsl, lens, tables, table_width, num_seqs, block_size);
   at::Tensor out = at::empty({num_tokens, num_heads, head_dim}, query.options());
   const int64_t q_s0 = query.stride(0), q_s1 = query.stride(1);
@@ -258,6 +259,7 @@ at::Tensor paged_attention_typed(const at::Tensor& query, const at::Tensor& key,
     t.key_end = t.pos0 + n_q;
     t.window = window;
     t.softcap = static_cast<float>(softcap);
+    t.invariant = invariant;
     return t;
   };
   std::vector<pagedserve::Tile> items;
@@ -354,41 +356,42 @@ template <typename QT>
 at::Tensor paged_attention_q(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                              at::Tensor& kv_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                              const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
-                             int64_t max_q_len, int64_t window, double softcap) {
+                             int64_t max_q_len, int64_t window, double softcap, bool invariant) {
   using pagedserve::bf16_t;
   using pagedserve::fp8_e4m3_t;
   switch (kv_cache.scalar_type()) {
     case at::kFloat:
       return paged_attention_typed<QT, float>(query, key, value, kv_cache, slot_mapping, block_tables, seq_lens,
-                                              query_start_loc, scale, max_q_len, window, softcap);
+                                              query_start_loc, scale, max_q_len, window, softcap, invariant);
     case at::kBFloat16:
       return paged_attention_typed<QT, bf16_t>(query, key, value, kv_cache, slot_mapping, block_tables, seq_lens,
-                                               query_start_loc, scale, max_q_len, window, softcap);
+                                               query_start_loc, scale, max_q_len, window, softcap, invariant);
     case at::kChar:
       return paged_attention_typed<QT, int8_t>(query, key, value, kv_cache, slot_mapping, block_tables, seq_lens,
-                                               query_start_loc, scale, max_q_len, window, softcap);
+                                               query_start_loc, scale, max_q_len, window, softcap, invariant);
     default:  // Float8_e4m3fn (check_inputs admits nothing else)
       return paged_attention_typed<QT, fp8_e4m3_t>(query, key, value, kv_cache, slot_mapping, block_tables,
                                                    seq_lens, query_start_loc, scale, max_q_len, window,
-                                                   softcap);
+                                                   softcap, invariant);
   }
 }
 
-// window > 0: each query sees the last `window` positions, itself included; softcap > 0: Gemma 2's score cap.
+// window > 0: each query sees the last `window` positions, itself included; softcap > 0: Gemma 2's score cap;
+// invariant (batch_invariant): each query's output is the same whatever else the call attends (attention_tile.h).
 at::Tensor paged_attention_windowed(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                                     at::Tensor kv_cache, const at::Tensor& slot_mapping,
                                     const at::Tensor& block_tables, const at::Tensor& seq_lens,
                                     const at::Tensor& query_start_loc, double scale, int64_t max_q_len,
-                                    int64_t window, double softcap) {
+                                    int64_t window, double softcap, bool invariant) {
   // Everything is checked before the first write: a rejected call leaves kv_cache untouched.
   check_inputs(query, key, value, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc);
   TORCH_CHECK(window >= 0 && softcap >= 0, kOp, ": window and softcap must be >= 0 (0: none), got ", window,
               " and ", softcap);
   if (query.scalar_type() == at::kBFloat16)
     return paged_attention_q<pagedserve::bf16_t>(query, key, value, kv_cache, slot_mapping, block_tables, seq_lens,
-                                                 query_start_loc, scale, max_q_len, window, softcap);
+                                                 query_start_loc, scale, max_q_len, window, softcap, invariant);
   return paged_attention_q<float>(query, key, value, kv_cache, slot_mapping, block_tables, seq_lens,
-                                  query_start_loc, scale, max_q_len, window, softcap);
+                                  query_start_loc, scale, max_q_len, window, softcap, invariant);
 }
 
 at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
@@ -396,7 +399,7 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key, const
                            const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
                            int64_t max_q_len) {
   return paged_attention_windowed(query, key, value, kv_cache, slot_mapping, block_tables, seq_lens,
-                                  query_start_loc, scale, max_q_len, 0, 0.0);
+                                  query_start_loc, scale, max_q_len, 0, 0.0, false);
 }
 
 // The runs paged_attention shares, as rows (first sequence, sequences, blocks): for tests and benchmarks.
@@ -431,7 +434,7 @@ PAGEDSERVE_LIBRARY(m) {
   m.impl("paged_attention", c10::DispatchKey::CPU, paged_attention);
   m.def("paged_attention_windowed(Tensor query, Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping, "
         "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale, int max_q_len, int window, "
-        "float softcap) -> Tensor");
+        "float softcap, bool batch_invariant=False) -> Tensor");
   m.impl("paged_attention_windowed", c10::DispatchKey::CPU, paged_attention_windowed);
   m.def("shared_prefix_groups(Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, int block_size) "
         "-> Tensor", &shared_prefix_groups);

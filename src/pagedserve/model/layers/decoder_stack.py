@@ -20,7 +20,7 @@ import torch
 from pagedserve import kernels
 from pagedserve.attention.cpu_paged import CpuPagedAttentionBackend, kernel_supports
 from pagedserve.attention.metadata import AttentionMetadata
-from pagedserve.model.layers.gguf_quant import GEMM_IDS, kernel_choice
+from pagedserve.model.layers.gguf_quant import GEMM_IDS, INT8_MIN_ROWS, INT8_TILES_MIN_ROWS, kernel_choice
 from pagedserve.model.layers.linear import Linear
 from pagedserve.model.layers.norm import RMSNorm
 
@@ -43,6 +43,8 @@ class DecoderStack:
         self.rotary_emb = rotary_emb
         self.dtype = self.norms[0].dtype
         self.qtype_set = set(self.linear_qtypes)
+        # batch-invariant mode: row-independent GEMMs at every row count and the attention kernel's invariant form
+        self.batch_invariant = attn.attn_backend.batch_invariant
 
     @classmethod
     def build(cls, model) -> DecoderStack | None:
@@ -80,12 +82,15 @@ class DecoderStack:
             return None
         return ops.decoder_layers(x, positions, kv_caches, meta.slot_mapping, meta.block_tables, meta.seq_lens,
                                   meta.query_start_loc, self.scale, self.rotary_emb._table(), self.norms,
-                                  self.weights, self.qtypes, self.parts, self.biases, gemm_ids, self.heads, self.eps)
+                                  self.weights, self.qtypes, self.parts, self.biases, gemm_ids, self.heads, self.eps,
+                                  self.batch_invariant)
 
     def _gemm_ids(self, ops, dtype: torch.dtype, m: int) -> list[int] | None:
         # Per linear, the kernel gguf_linear picks for m rows (the same kernel_choice) as GEMM_IDS codes; None
         # when some weight would go through dequantized tiles instead.
-        paths = {q: kernel_choice(ops, dtype, q).path(m) for q in self.qtype_set}
+        paths = {q: kernel_choice(ops, dtype, q).path(m, self.batch_invariant) for q in self.qtype_set}
         if "tiles" in paths.values():
             return None
+        if self.batch_invariant and not INT8_MIN_ROWS <= m < INT8_TILES_MIN_ROWS and "int8" in paths.values():
+            return None  # gguf_linear pads or splits the rows (one int8 driver); the stack would not
         return [GEMM_IDS[paths[q]] for q in self.linear_qtypes]

@@ -30,6 +30,14 @@ sum |w| * dx / 2 per output). Where the variant also has the few-row int8 kernel
 (avx512, amx: csrc/gguf_int8_gemv.h, gguf_int8_gemv_types()), int8 starts at 1 row (single-stream decode).
 Q5_0 / Q5_1 weights take it for INT8_Q5_ROWS rows on avx512 / amx. PAGEDSERVE_GGUF_INT8=0 keeps the float
 kernels.
+
+Batch-invariant mode (--batch-invariant, docs/batch_invariance.md): the kernel changing with the number of rows
+is what makes a request's greedy tokens depend on the batch (each kernel rounds differently), so there one kernel
+serves every row count: gemm_gguf_int8 where the default would take it for some row counts (gguf_int8.h's driver
+only: rows go in calls of INT8_MIN_ROWS to INT8_TILES_MIN_ROWS - 1), else gemm_gguf. Both give each row of x the same
+sums in the same order whatever the rows beside it (every block's products into one accumulator per row, in block
+order; int8 quantizes x per row), which tests/model/test_batch_invariant.py checks for every type.
+gemm_gguf_amx and the tiles (torch's GEMM, whose blocking follows the shape) are not used.
 """
 from __future__ import annotations
 
@@ -81,6 +89,11 @@ INT8_GEMV_MIN_ROWS = 1
 # Q4_1 and Q8_0 stay on the float kernels (0.4-0.9x up to 8 rows, 0.9-1.8x above, mixed by shape).
 INT8_Q5_TYPES = (6, 7)
 INT8_Q5_ROWS = (8, 64)
+# gemm_gguf_int8 runs one of three drivers by its rows of x: the few-row kernel (csrc/gguf_int8_gemv.h) below
+# INT8_MIN_ROWS where the build has it, gguf_int8.h's from there, the register tiles (gguf_int8_tiles.h's kMinRows)
+# from INT8_TILES_MIN_ROWS; each adds a row's lanes and groups in its own order. Batch-invariant mode runs only
+# the middle one: calls of INT8_MIN_ROWS to INT8_TILES_MIN_ROWS - 1 rows, fewer rows padded with zero rows.
+INT8_TILES_MIN_ROWS = 32
 
 
 @dataclass(slots=True)
@@ -201,8 +214,10 @@ class KernelChoice:
     int8_max_rows: int = 0
     int8_min_rows: int = INT8_MIN_ROWS
 
-    def path(self, m: int) -> str:
-        # "int8", "gemv", "amx" or "tiles" for m rows of x
+    def path(self, m: int, invariant: bool = False) -> str:
+        # "int8", "gemv", "amx" or "tiles" for m rows of x; batch-invariant: one row-independent kernel at every m
+        if invariant:
+            return "int8" if self.int8_max_rows else "gemv"
         if self.int8_min_rows <= m <= self.int8_max_rows:
             return "int8"
         return "gemv" if m <= self.gemv_max_rows else "amx" if self.amx else "tiles"
@@ -230,12 +245,18 @@ def _kernel_choice(ops, dtype: torch.dtype, qtypes: tuple[int, ...], int8_allowe
     return KernelChoice(DECODE_MAX_ROWS_AMX if amx else DECODE_MAX_ROWS, amx, int8, low)
 
 
-def gguf_linear(x: torch.Tensor, w: GGUFWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    # y = x W^T (+ bias) for float32 or bfloat16 x [M, in_features], any M; y has x's dtype.
+def gguf_linear(x: torch.Tensor, w: GGUFWeight, bias: torch.Tensor | None,
+                invariant: bool = False) -> torch.Tensor:
+    # y = x W^T (+ bias) for float32 or bfloat16 x [M, in_features], any M; y has x's dtype. invariant: each
+    # row of y is the same whatever M and the other rows (batch-invariant mode).
     ops, m = _ops(), x.shape[0]
     x = x.contiguous() if w.in_order is None else x.index_select(1, w.in_order)
-    path = kernel_choice(ops, x.dtype, w.qtypes).path(m)
+    path = kernel_choice(ops, x.dtype, w.qtypes).path(m, invariant)
     if path == "int8":
+        if invariant and not INT8_MIN_ROWS <= m < INT8_TILES_MIN_ROWS:  # gguf_int8.h's driver at every m
+            chunks = _driver_chunks(x)
+            return _by_parts(w, bias, lambda p, t, b: torch.cat([ops.gemm_gguf_int8(c, p, t, b)
+                                                                 for c in chunks])[:m])
         return _by_parts(w, bias, lambda p, t, b: ops.gemm_gguf_int8(x, p, t, b))
     if path == "gemv":
         return _by_parts(w, bias, lambda p, t, b: ops.gemm_gguf(x, p, t, b))
@@ -250,6 +271,16 @@ def gguf_linear(x: torch.Tensor, w: GGUFWeight, bias: torch.Tensor | None) -> to
             r1 = min(r0 + tile_rows, w.out_features)
             y[:, r0:r1] = x @ gguf_dequantize(w, slice(r0, r1)).to(x.dtype).t()
     return y if bias is None else y.add_(bias)
+
+
+def _driver_chunks(x: torch.Tensor) -> list[torch.Tensor]:
+    # x's rows in calls that gemm_gguf_int8 runs through gguf_int8.h's driver (INT8_TILES_MIN_ROWS above);
+    # the last one padded with zero rows to INT8_MIN_ROWS.
+    chunks = list(x.split(INT8_TILES_MIN_ROWS - 1))
+    short = INT8_MIN_ROWS - chunks[-1].shape[0]
+    if short > 0:
+        chunks[-1] = torch.cat([chunks[-1], chunks[-1].new_zeros(short, x.shape[1])])
+    return chunks
 
 
 def _by_parts(w: GGUFWeight, bias: torch.Tensor | None, gemm) -> torch.Tensor:

@@ -9,6 +9,10 @@
 
 The dense parameter stays the source of truth: load_weights writes it, then packs again. Measurements:
 benchmarks/HISTORY.md, "Profile".
+
+Batch-invariant mode (`batch_invariant`, set by the model's set_batch_invariant): GGUF blocks take one
+row-independent kernel at every row count (layers/gguf_quant.py); dense weights go through fixed blocks of
+INVARIANT_ROWS rows (invariant_linear).
 """
 from __future__ import annotations
 
@@ -68,16 +72,40 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | 
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+# Dense weights in batch-invariant mode: torch's GEMM (oneDNN, MKL) blocks K by the shape, so a row's sums
+# change with the number of rows beside it (measured here: a 2048 x 8192 weight, fp32 and bf16, row 0 alone
+# differs from row 0 among 2 or more). Every call instead multiplies blocks of exactly INVARIANT_ROWS rows (the
+# last zero-padded): one shape, one blocking, and inside a block a row's sums depend neither on its neighbours
+# nor on its position (tests/model/test_batch_invariant.py checks it on this machine's torch).
+INVARIANT_ROWS = 16
+
+
+def invariant_linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
+    if x.dim() != 2:
+        return invariant_linear(x.reshape(-1, x.shape[-1]), weight, packed, bias).reshape(*x.shape[:-1], -1)
+    m = x.shape[0]
+    if m % INVARIANT_ROWS:
+        x = torch.cat([x, x.new_zeros(INVARIANT_ROWS - m % INVARIANT_ROWS, x.shape[1])])
+    return torch.cat([packed_linear(c, weight, packed, bias) for c in x.split(INVARIANT_ROWS)])[:m]
+
+
+def dense_linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
+                 bias: torch.Tensor | None = None, invariant: bool = False) -> torch.Tensor:
+    return invariant_linear(x, weight, packed, bias) if invariant else packed_linear(x, weight, packed, bias)
+
+
 # Activation dtypes GGUF block weights take (layers/gguf_quant.py).
 GGUF_DTYPES = (torch.float32, torch.bfloat16)
 
 
-def quant_linear(x: torch.Tensor, blocks, bias: torch.Tensor | None = None) -> torch.Tensor | None:
+def quant_linear(x: torch.Tensor, blocks, bias: torch.Tensor | None = None,
+                 invariant: bool = False) -> torch.Tensor | None:
     # y = x W^T through the layer's GGUF blocks (every batch size), or None when this call cannot use them
     # (no blocks, another device or dtype, no compiled kernels): then the caller's dense path runs.
     if blocks is None or x.dim() != 2 or kernels.ops_for(x, GGUF_DTYPES) is None:
         return None
-    return gguf_linear(x, blocks[1], bias)
+    return gguf_linear(x, blocks[1], bias, invariant)
 
 
 class Linear(nn.Linear):
@@ -85,6 +113,7 @@ class Linear(nn.Linear):
     # ("gguf", GGUFWeight) when the weight is held only as GGUF blocks (then self.weight is None): a GGUF
     # file's tensors as they lie in the file, or --quantization int8's Q8_0 blocks (model/weight_quant.py).
     exact_blocks = None
+    batch_invariant = False  # each output row independent of the other rows (module doc)
 
     def reset_parameters(self) -> None:
         # Weights always come from load_weights, so nn.Linear's random init would only cost load time; and
@@ -97,12 +126,12 @@ class Linear(nn.Linear):
         self.packed_weight = pack_weight(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = quant_linear(x, self.exact_blocks, self.bias)
+        y = quant_linear(x, self.exact_blocks, self.bias, self.batch_invariant)
         if y is not None:
             return y
         if self.weight is None:  # blocks only, and no kernel for this call (another device): a transient copy
-            return F.linear(x, gguf_dequantize(self.exact_blocks[1]).to(x), self.bias)
-        return packed_linear(x, self.weight, self.packed_weight, self.bias)
+            return dense_linear(x, gguf_dequantize(self.exact_blocks[1]).to(x), None, self.bias, self.batch_invariant)
+        return dense_linear(x, self.weight, self.packed_weight, self.bias, self.batch_invariant)
 
 
 def pack_linear_weights(module: nn.Module) -> None:
