@@ -19,16 +19,19 @@ BLOCK = 4
 
 
 class NextTokenModel(torch.nn.Module):
-    # Greedy sampling picks (last input token + 1) % VOCAB; each forward's inputs are kept for checking.
+    # Greedy sampling picks (last input token + 1) % VOCAB; each forward's inputs and the number of rows given
+    # to the LM head are kept for checking.
     def __init__(self) -> None:
         super().__init__()
         self.calls = []
+        self.logit_rows = []
 
     def forward(self, input_ids, positions, kv_caches, meta):
         self.calls.append((input_ids.tolist(), positions.tolist(), meta))
         return input_ids.to(torch.float32).unsqueeze(1)
 
     def compute_logits(self, hidden):
+        self.logit_rows.append(hidden.shape[0])
         return torch.nn.functional.one_hot((hidden[:, 0].long() + 1) % VOCAB, VOCAB).to(torch.float32)
 
 
@@ -62,7 +65,7 @@ def test_step_inputs_follow_the_scheduler():
         pending += [(first, None)] + [(Request(f"{i}.{k}", first.prompt_token_ids, greedy, first.max_tokens), first)
                                       for k in range(1, rng.choice([1, 2]))]
     requests = [r for r, _ in pending]
-    num_steps = 0
+    num_steps = skipped_rows = 0
     while pending or sched.has_unfinished():
         for _ in range(rng.randint(0, 3)):
             if pending:
@@ -72,12 +75,17 @@ def test_step_inputs_follow_the_scheduler():
         plan = sched.schedule()
         want = reference(sched, plan)
         model.calls.clear()
+        model.logit_rows.clear()
         result = runner.execute(plan)
         if plan.num_scheduled_tokens:
             [(ids, positions, meta)] = model.calls
             got_tables = [row[:len(t)] for row, t in zip(meta.block_tables.tolist(), want[4])]
             assert (ids, positions, meta.slot_mapping.tolist(), meta.seq_lens_list, got_tables) == want
             assert meta.query_lens_list == list(plan.num_scheduled_tokens.values())
+            # The LM head sees one row per sampled request (its last token), never the other prompt rows of a
+            # prefill nor a chunk that stops short of its prompt's end (a real model's head is the largest GEMM).
+            assert sum(model.logit_rows) == len(result.req_ids)
+            skipped_rows += len(ids) - len(result.req_ids)
             num_steps += 1
         for req_id, token in zip(result.req_ids, result.sampled_token_ids):
             req = sched.requests[req_id]
@@ -85,7 +93,7 @@ def test_step_inputs_follow_the_scheduler():
         sched.update(plan, result)
     runner.execute(sched.schedule())
     assert not runner.input_batch.requests
-    assert num_steps > 30 and kv.num_swapped_out_blocks > 0 and kv.num_cow_copies > 0
+    assert num_steps > 30 and kv.num_swapped_out_blocks > 0 and kv.num_cow_copies > 0 and skipped_rows > 100
     # Every request that finished by length holds the runner's greedy chain.
     for req in requests:
         if req.status is RequestStatus.FINISHED_LENGTH:
