@@ -2,6 +2,7 @@
 queued compiles dropped once their request has timed out. A word-level tokenizer keeps compiles fast."""
 from __future__ import annotations
 
+import asyncio
 import threading
 
 import pytest
@@ -106,4 +107,23 @@ def test_a_compile_past_its_timeout_frees_its_slot():
     assert svc.wait(svc.compile(choices(50))) is not None  # compiled while the slow ones still run
     gate.set()
     assert all(fut.result(30) is not None for fut in busy)  # their results still reach the cache
+    svc.shutdown()
+
+
+@pytest.mark.parametrize("waiter", ["thread", "asyncio"])
+def test_the_one_time_tokenizer_tables_do_not_count_against_the_timeout(waiter, monkeypatch):
+    # On a busy machine the tables can take longer than the timeout; the first request must not get a 400.
+    import xgrammar as xgr
+
+    build = xgr.TokenizerInfo.from_huggingface
+
+    def slow_build(*args, **kwargs):
+        threading.Event().wait(1.0)
+        return build(*args, **kwargs)
+
+    monkeypatch.setattr(xgr.TokenizerInfo, "from_huggingface", slow_build)
+    svc = service(compile_timeout_s=0.3)
+    fut = svc.compile(choices(3))
+    grammar = svc.wait(fut) if waiter == "thread" else asyncio.run(svc.wait_async(fut))
+    assert grammar is not None and fut.result() is grammar
     svc.shutdown()

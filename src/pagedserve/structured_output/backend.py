@@ -67,7 +67,9 @@ class GrammarCompileService:
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
         self._eos = list(eos_token_ids)
-        self._compiler: Any = None  # built on first use: the tokenizer info takes about a second
+        # The compiler, built on first use by its own thread: its tokenizer tables take about a second, more on
+        # a busy machine, and that one-time build does not count against a request's compile timeout.
+        self._compiler: concurrent.futures.Future | None = None
         self._lock = threading.Lock()
         self._cache: collections.OrderedDict[GrammarSpec, concurrent.futures.Future] = collections.OrderedDict()
         self._cached_bytes: dict[GrammarSpec, int] = {}  # of the compiled grammars in _cache
@@ -95,6 +97,9 @@ class GrammarCompileService:
             if self._closed:
                 fut.cancel()
                 return fut
+            if self._compiler is None:
+                self._compiler = concurrent.futures.Future()
+                threading.Thread(target=self._build_compiler, name="pagedserve-grammar-tables", daemon=True).start()
             self._queue.append((spec, fut))
             self._start_thread()
             self._queued.notify()
@@ -104,6 +109,8 @@ class GrammarCompileService:
         return fut
 
     def wait(self, fut: concurrent.futures.Future) -> Any:
+        if self._compiler is not None:
+            self._compiler.exception()  # the one-time tables first, untimed (a failure reaches fut too)
         try:
             return fut.result(timeout=self.timeout_s)
         except concurrent.futures.TimeoutError:
@@ -113,6 +120,8 @@ class GrammarCompileService:
 
     async def wait_async(self, fut: concurrent.futures.Future) -> Any:
         # shield: a cancelled waiter must not cancel the compile others may share.
+        if self._compiler is not None:
+            await asyncio.shield(asyncio.wrap_future(self._compiler))  # the one-time tables first, untimed
         try:
             return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(fut)), self.timeout_s)
         except asyncio.TimeoutError:
@@ -158,15 +167,16 @@ class GrammarCompileService:
         return (f"the grammar did not compile within {self.timeout_s:g}s "
                 "(--structured-outputs-compile-timeout); simplify the schema")
 
-    def _get_compiler(self) -> Any:
-        with self._lock:
-            if self._compiler is None:
-                import xgrammar as xgr
+    def _build_compiler(self) -> None:
+        yield_cpu_to_the_engine()
+        try:
+            import xgrammar as xgr
 
-                info = xgr.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self._vocab_size,
-                                                          stop_token_ids=self._eos)
-                self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-            return self._compiler
+            info = xgr.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self._vocab_size,
+                                                      stop_token_ids=self._eos)
+            self._compiler.set_result(xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False))
+        except BaseException as exc:  # noqa: BLE001 (every compile reports it)
+            self._compiler.set_exception(exc)
 
     def _run(self) -> None:
         yield_cpu_to_the_engine()  # compiles run on the cycles the engine leaves, like the tokenizer thread
@@ -199,7 +209,7 @@ class GrammarCompileService:
                 return  # its slot went to another thread when it passed the timeout
 
     def _compile(self, spec: GrammarSpec) -> Any:
-        compiler = self._get_compiler()
+        compiler = self._compiler.result()
         try:
             if spec.kind == "json":
                 check_schema(json.loads(spec.text), spec.text, self.timeout_s)
