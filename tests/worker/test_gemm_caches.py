@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from pagedserve.worker.gemm_caches import CACHE_CAPACITY, CAPACITY_VARIABLES
@@ -46,12 +47,13 @@ def _growth_mb(mode: str) -> float:
 
 def test_bounded_caches_keep_memory_flat():
     if not torch.backends.mkldnn.is_available():
-        return  # no oneDNN: nothing caches per shape
+        pytest.skip("no oneDNN: nothing caches per shape")
     unbounded, bounded = _growth_mb("default"), _growth_mb("bounded")
     # ~0.8 MB per row count at the libraries' default capacities (1,024 entries); bounded, the caches are full
-    # long before the first 100 and stay at their size (measured: 160 vs 0 MB).
+    # long before the first 100 and stay at their size (measured: 160 vs 0-11 MB: what remains is the heap's
+    # high-water mark for x and y, which grow with m to 0.8 and 4 MB, not the caches).
     assert unbounded > 80, unbounded
-    assert bounded < 10, bounded
+    assert bounded < 30 and bounded < unbounded / 4, (bounded, unbounded)
 
 
 def test_user_setting_wins(monkeypatch):
