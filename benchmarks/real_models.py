@@ -8,7 +8,9 @@ every workload runs against each in turn (so drift in machine load hits both):
         --llama-server /work/tools/llama.cpp/build/bin/llama-server --out benchmarks/results/real_1b_q4km.json
 
 Workloads: `single` (one stream, TPOT), `streams16` (32 requests, prompts 64-512 words, outputs 16-128, 16 in
-flight) and `shared` (a 1,000-word system prompt shared by 32 requests, 8 in flight). Each row also reports the
+flight), `prefill512` (one 512-word prompt at a time, one output token: TTFT is the prefill rate, which bounds
+the prefill-heavy `streams16`) and `shared` (a 1,000-word system prompt shared by 32 requests, 8 in flight).
+Each row also reports the
 roofline: the bytes one decode step must read (every weight that multiplies, plus the KV of the context) over
 the memory bandwidth this run measured (common.memory_bandwidth), as a floor for time per output token.
 """
@@ -27,6 +29,7 @@ from serving import Server, free_port
 WORKLOADS = {
     "single": ["--num-prompts", "6", "--input-len", "64", "--output-len", "64", "--concurrency", "1"],
     "streams16": ["--num-prompts", "32", "--input-len", "64-512", "--output-len", "16-128", "--concurrency", "16"],
+    "prefill512": ["--num-prompts", "4", "--input-len", "512", "--output-len", "1", "--concurrency", "1"],
     "shared": ["--num-prompts", "32", "--input-len", "16-64", "--output-len", "64", "--shared-prefix-len", "1000",
                "--concurrency", "8"],
 }
