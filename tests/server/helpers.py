@@ -25,6 +25,9 @@ ENGINE_KWARGS = dict(kv_cache_memory_bytes=KV_BYTES, max_model_len=MAX_MODEL_LEN
 ENGINE_ARGS = ["--kv-cache-memory", str(KV_BYTES), "--max-model-len", str(MAX_MODEL_LEN),
                "--max-num-seqs", str(MAX_NUM_SEQS), "--num-threads", str(NUM_THREADS)]
 STARTUP_TIMEOUT_S = 180
+# The start-up warm-up (engine/warmup.py) is off in test servers: it would add seconds to each of the suite's
+# ~25 server starts; test_server_flags.py's server runs it and checks what it leaves.
+SERVER_ARGS = ["--no-warmup"]
 
 
 def free_port() -> int:
@@ -39,7 +42,7 @@ class ServerProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="pagedserve-server-", suffix=".log", delete=False)
         cmd = [sys.executable, "-m", "pagedserve.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
-               *ENGINE_ARGS, *extra_args]
+               *ENGINE_ARGS, *SERVER_ARGS, *extra_args]
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
         self._wait_healthy()

@@ -1,5 +1,5 @@
-"""A server with --max-samples-per-request, a --chat-template that refuses tool messages and
---disable-debug-routes; a double signal."""
+"""A server with --max-samples-per-request, a --chat-template that refuses tool messages,
+--disable-debug-routes and the start-up warm-up; a double signal."""
 from __future__ import annotations
 
 import os
@@ -13,10 +13,12 @@ import openai
 import pytest
 
 from pagedserve.server.app import FORCED_EXIT_CODE
-from tests.server.helpers import ServerProcess
+from pagedserve.engine.warmup import warmup_requests
+from tests.server.helpers import MAX_MODEL_LEN, ServerProcess, metric, scrape
 from tests.server.test_errors import assert_openai_error
 
 MAX_SAMPLES = 4
+VOCAB_SIZE = 49152  # the embedded model's
 # Longer than the test's stream takes to finish by itself: only the second signal can end it with an error.
 DRAIN_S = 600
 # ChatML, as the embedded model's own template, plus a raise_exception as real templates use for bad roles.
@@ -34,7 +36,8 @@ def flag_server():
     with tempfile.NamedTemporaryFile("w", suffix=".jinja", delete=False) as f:
         f.write(TEMPLATE)
     srv = ServerProcess("--max-samples-per-request", str(MAX_SAMPLES), "--chat-template", f.name,
-                        "--disable-debug-routes", "--shutdown-timeout", str(DRAIN_S))
+                        "--disable-debug-routes", "--shutdown-timeout", str(DRAIN_S), "--warmup")
+    srv.metrics_at_start = scrape(srv.url)  # before any test's request
     yield srv
     srv.close()
     os.unlink(f.name)
@@ -66,6 +69,34 @@ def test_start_up_log_gives_model_and_prefaulted_pool(flag_server):
     model, pool, rss = map(int, line.groups())
     assert pool == 2176 * 46080 >> 20
     assert model + pool == rss and model > 100
+
+
+def test_warm_up_ends_before_the_memory_line_and_before_listening(flag_server):
+    # The warm-up's one-time memory (oneDNN, allocator arenas, code paged in, grammar tables) is in the start-up
+    # figure, and /ready cannot answer before it ends: the server binds its port only after it.
+    log = flag_server.read_log().splitlines()
+    where = {key: next((i for i, line in enumerate(log) if key in line), None)
+             for key in ("warm-up: 11 requests", "memory: model and runtime", "Uvicorn running on")}
+    assert None not in where.values(), (where, log)
+    assert where["warm-up: 11 requests"] < where["memory: model and runtime"] < where["Uvicorn running on"]
+    assert not [line for line in log if "warm-up request failed" in line]  # the chat and the schema ran too
+
+
+def test_the_warm_up_leaves_no_trace(flag_server):
+    # Its blocks left the prefix cache and its requests and tokens the counters: a server starts from zero.
+    series = flag_server.metrics_at_start
+    for name in ("prompt_tokens_total", "generation_tokens_total", "prefix_cache_queries_total",
+                 "num_preemptions_total", "kv_cache_usage_perc"):
+        assert metric(series, f"pagedserve:{name}") == 0, name
+    assert sum(v for (name, _), v in series.items() if name == "pagedserve:request_success_total") == 0
+    # The warm-up's long prompt again: a hit would be its blocks left in the cache.
+    [[(_, prompt_ids, _)], *_] = warmup_requests(VOCAB_SIZE, MAX_MODEL_LEN)
+    before = metric(scrape(flag_server.url), "pagedserve:prefix_cache_hits_total")
+    resp = httpx.post(f"{flag_server.url}/v1/completions", json={"prompt": prompt_ids, "max_tokens": 1}, timeout=60)
+    assert resp.status_code == 200, resp.text
+    after = scrape(flag_server.url)
+    assert metric(after, "pagedserve:prefix_cache_hits_total") == before
+    assert metric(after, "pagedserve:prefix_cache_queries_total") >= len(prompt_ids)
 
 
 def test_debug_routes_can_be_disabled(flag_server):

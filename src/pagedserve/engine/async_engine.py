@@ -171,6 +171,14 @@ class AsyncLLMEngine:
 
         return await self._on_engine_thread(capture)
 
+    async def clear_warmup(self) -> None:
+        """Forgets the start-up warm-up's blocks and counts (engine/warmup.py); nothing else may have run."""
+        def clear(core: Any) -> None:
+            core.clear_warmup()
+            self._take_snapshot()  # /metrics reads the snapshot
+
+        await self._on_engine_thread(clear)
+
     async def render_chat(self, chat: ChatPrompt) -> dict[str, Any]:
         """{"prompt": text, "prompt_token_ids": ids} (and the cache salt) of a conversation, rendered and checked."""
         return await self._on_tokenizer_thread(lambda proc: proc.render_chat(chat))

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedserve.config import EngineConfig, resolve_limits
-from pagedserve.core.kv_cache_manager import KVCacheManager
+from pagedserve.core.kv_cache_manager import KVCacheManager, PrefixCacheStats
 from pagedserve.core.kv_events import KVEventCollector
 from pagedserve.core.request import Request, RequestStatus
 from pagedserve.core.scheduler import Scheduler
@@ -150,6 +150,17 @@ class EngineCore:
         if any(s.status is RequestStatus.FINISHED_ABORTED for s in samples):
             self.stats.num_aborted += 1
         self.stats.record_finished(samples)
+
+    def clear_warmup(self) -> None:
+        # After the start-up warm-up (engine/warmup.py), which has finished: its blocks leave the prefix cache
+        # and its requests and tokens the counters, so a server starts as if nothing had run.
+        if self.scheduler.has_unfinished() or not self.kv.pool.reset_prefix_cache():
+            raise RuntimeError("warm-up requests are still running")
+        self.kv.prefix_stats = PrefixCacheStats()
+        self.scheduler.num_preemptions_total = 0
+        self.stats = EngineStats(on_finished=self.stats.on_finished)
+        if self.kv_event_publisher is not None:
+            self.kv_event_publisher.publish(self.kv_events.take())  # AllBlocksCleared after the warm-up's blocks
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()

@@ -64,6 +64,10 @@ def add_serve_parser(subparsers, add_engine_args: Callable[[argparse.ArgumentPar
                    metavar="SECONDS", help="/health answers 503 once one engine step has run this long")
     g.add_argument("--shutdown-timeout", type=_non_negative_float, default=SHUTDOWN_TIMEOUT_S, metavar="SECONDS",
                    help="on SIGTERM/SIGINT, how long open responses may take to finish before the engine stops")
+    g.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
+                   help="before listening, run a few requests through the engine (a prefill chunk, a decode batch, "
+                        "a chat, a JSON schema) so that memory first touched by serving is in the start-up figure "
+                        "(default on; --no-warmup starts sooner)")
     g.add_argument("--disable-debug-routes", action="store_true",
                    help="leave out /debug/kv (every request's id, length and blocks) and /dashboard")
     g.add_argument("--served-model-name", nargs="+", default=None,
@@ -141,6 +145,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         logger.info("KV cache: %d blocks x %d tokens = %d tokens, %s, %d bytes per token", engine.num_kv_blocks,
                     engine.block_size, engine.num_kv_blocks * engine.block_size, engine.kv_cache_dtype,
                     engine.kv_bytes_per_token)
+        if args.warmup:
+            from pagedserve.engine.warmup import warm_up
+
+            warm_up(engine)
         log_memory(engine, config.cache.prefault_kv_cache, config.device.resolve())
         logger.info("serving at http://%s:%d  (OpenAI base_url http://%s:%d/v1)%s", args.host, args.port,
                     args.host, args.port, "; API key required" if args.api_key else "")
