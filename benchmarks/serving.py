@@ -14,10 +14,12 @@ frontend) with the same client; every `pagedserve bench serve` flag applies.
 
 Peers in the same run: `--also LABEL=URL` adds an OpenAI-compatible server started elsewhere (llama.cpp's
 llama-server, vLLM); `--vllm-model DIR --vllm-python PY` starts vLLM's OpenAI server here (its own venv,
-a Hugging Face directory such as benchmarks/export_hf.py writes) and stops it at the end, labelled "vllm".
-`--servers` picks which of pagedserve and the transformers server to start (`--servers pagedserve` skips the
-slow transformers baseline). Endpoints are measured in the order pagedserve, transformers, vllm, --also peers;
-ratios are against the first.
+a Hugging Face directory such as benchmarks/export_hf.py writes) and stops it at the end, labelled "vllm";
+`--llama-server BIN` does the same with llama.cpp's server on the embedded GGUF (or `--llama-gguf`),
+labelled "llama.cpp". `--servers` picks which of pagedserve and the transformers server to start
+(`--servers pagedserve` skips the slow transformers baseline). Endpoints are measured in the order pagedserve,
+transformers, llama.cpp, vllm, --also peers; ratios are against the first. real_models.py starts the same
+peers (these functions) on a GGUF of a real shape.
 """
 from __future__ import annotations
 
@@ -121,6 +123,72 @@ def vllm_command(args: argparse.Namespace) -> list[str]:
             str(args.kv_cache_memory), "--host", "127.0.0.1", "--uvicorn-log-level", "warning", *args.vllm_arg]
 
 
+def llama_command(args: argparse.Namespace, gguf: str) -> list[str]:
+    # llama-server with pagedserve's thread count (-t for decode, -tb for prefill) and 16 slots of
+    # --max-model-len each (-c is the context of all slots together). Prompt caching stays on (its default),
+    # as prefix caching does in pagedserve and vLLM; --llama-arg=--no-cache-prompt turns it off.
+    return [args.llama_server, "-m", gguf, "-t", str(args.num_threads), "-tb", str(args.num_threads), "-np", "16",
+            "-c", str(16 * args.max_model_len), "--host", "127.0.0.1", *args.llama_arg]
+
+
+def add_peer_args(p: argparse.ArgumentParser, gguf_default: str) -> None:
+    """The peers this script (and real_models.py) can start: vLLM (label 'vllm'), llama.cpp ('llama.cpp')."""
+    g = p.add_argument_group("vLLM started here as a peer (label 'vllm')")
+    g.add_argument("--vllm-model", default=None, metavar="DIR",
+                   help="Hugging Face directory to serve with vLLM (e.g. from benchmarks/export_hf.py)")
+    g.add_argument("--vllm-python", default=sys.executable, metavar="PY",
+                   help="the Python of the venv vLLM is installed in (default: this one)")
+    g.add_argument("--vllm-dtype", default="bfloat16", help="vLLM's --dtype (default bfloat16)")
+    g.add_argument("--vllm-arg", action="append", default=[], metavar="ARG",
+                   help="one more argument for vLLM's server (repeatable, e.g. --vllm-arg=--max-num-seqs=16)")
+    g.add_argument("--vllm-startup-timeout", type=float, default=900.0, metavar="S",
+                   help="vLLM compiles for minutes before it serves (default 900 s)")
+    g = p.add_argument_group("llama.cpp started here as a peer (label 'llama.cpp')")
+    g.add_argument("--llama-server", default=None, metavar="BIN", help="llama.cpp's llama-server binary")
+    g.add_argument("--llama-gguf", default=None, metavar="FILE", help=f"the GGUF it serves (default: {gguf_default})")
+    g.add_argument("--llama-arg", action="append", default=[], metavar="ARG",
+                   help="one more argument for llama-server (repeatable, e.g. --llama-arg=--no-cache-prompt)")
+
+
+def embedded_gguf() -> str:
+    from pagedserve.model.loader import default_model_path  # imports torch: only when asked
+
+    return default_model_path()
+
+
+def peer_specs(args: argparse.Namespace, gguf) -> dict[str, tuple[list[str], dict[str, str], float]]:
+    """name -> (command without --port, extra environment, start-up timeout) for the peers asked for;
+    gguf: a function giving llama-server's default GGUF (when --llama-gguf is not given)."""
+    specs = {}
+    if args.llama_server:
+        specs["llama.cpp"] = (llama_command(args, args.llama_gguf or gguf()), {}, 300.0)
+    if args.vllm_model:
+        env = {k: v for k, v in os.environ.items() if k.startswith(("VLLM_CPU", "OMP_"))}
+        specs["vllm"] = (vllm_command(args), env, args.vllm_startup_timeout)
+    return specs
+
+
+def start_servers(specs: dict[str, tuple[list[str], dict[str, str], float]]) -> list[Server]:
+    """Starts each on a free port in turn; if one fails, the ones already running are stopped."""
+    servers: list[Server] = []
+    try:
+        for name, (cmd, env, timeout) in specs.items():
+            port = free_port()
+            servers.append(Server(name, [*cmd, "--port", str(port)], port, timeout, env))
+    except BaseException:
+        for s in servers:
+            s.stop()
+        raise
+    return servers
+
+
+def server_info(servers: list[Server]) -> dict:
+    # The report's record of each started server: its command line (scripts relative), extra environment,
+    # and what it says about its own build.
+    return {s.name: {"command": " ".join(os.path.relpath(a) if a.endswith(".py") else a for a in s.cmd[1:]),
+                     **({"env": s.env} if s.env else {}), **peer_info(s.url)} for s in servers}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_bench_args(p, require_url=False)
@@ -136,16 +204,7 @@ def main() -> int:
     g.add_argument("--also", action="append", default=[], metavar="LABEL=URL",
                    help="also measure an already running OpenAI-compatible server in the same run, e.g. "
                         "llama.cpp=http://127.0.0.1:8081 or vllm=http://127.0.0.1:8001 (repeatable)")
-    g = p.add_argument_group("vLLM started here as a peer (label 'vllm')")
-    g.add_argument("--vllm-model", default=None, metavar="DIR",
-                   help="Hugging Face directory to serve with vLLM (e.g. from benchmarks/export_hf.py)")
-    g.add_argument("--vllm-python", default=sys.executable, metavar="PY",
-                   help="the Python of the venv vLLM is installed in (default: this one)")
-    g.add_argument("--vllm-dtype", default="bfloat16", help="vLLM's --dtype (default bfloat16)")
-    g.add_argument("--vllm-arg", action="append", default=[], metavar="ARG",
-                   help="one more argument for vLLM's server (repeatable, e.g. --vllm-arg=--max-num-seqs=16)")
-    g.add_argument("--vllm-startup-timeout", type=float, default=900.0, metavar="S",
-                   help="vLLM compiles for minutes before it serves (default 900 s)")
+    add_peer_args(p, "the embedded model's")
     # Sized so the whole default run (8 runs of 24 requests, two server starts) takes about 10 minutes on 2 cores.
     p.set_defaults(num_prompts=24, input_len=(64, 256), output_len=(32, 64), concurrency=[8])
     args = p.parse_args()
@@ -166,30 +225,21 @@ def main() -> int:
                          str(args.hf_max_batch_size)],
     }
     specs = {name: (cmd, {}, 300.0) for name, cmd in specs.items() if name in args.servers}
-    if args.vllm_model:
-        env = {k: v for k, v in os.environ.items() if k.startswith(("VLLM_CPU", "OMP_"))}
-        specs["vllm"] = (vllm_command(args), env, args.vllm_startup_timeout)
+    specs.update(peer_specs(args, embedded_gguf))
     if not specs and not also:
-        p.error("nothing to measure: no --servers, no --vllm-model and no --also")
+        p.error("nothing to measure: no --servers, no --vllm-model, no --llama-server and no --also")
     # SIGTERM (e.g. from `timeout`) unwinds like Ctrl-C would, so the finally below stops the servers:
     # they run in their own process groups and would outlive this script.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     servers: list[Server] = []
     try:
-        for name, (cmd, env, timeout) in specs.items():
-            port = free_port()
-            servers.append(Server(name, [*cmd, "--port", str(port)], port, timeout, env))
+        servers = start_servers(specs)
         args.base_url = [s.url for s in servers] + [url for _, url in also]
         args.label = [s.name for s in servers] + [label for label, _ in also]
-        meta["servers"] = {s.name: {"command": " ".join(os.path.relpath(a) if a.endswith(".py") else a
-                                                        for a in s.cmd[1:]), **({"env": s.env} if s.env else {})}
-                           for s in servers}
+        meta["servers"] = server_info(servers)
         if "transformers" in meta["servers"]:
             meta["servers"]["transformers"]["batching"] = (
                 f"static: up to {args.hf_max_batch_size} waiting requests per batch, run to completion")
-        for s in servers:
-            if s.name == "vllm":
-                meta["servers"]["vllm"].update(peer_info(s.url))
         meta["servers"].update({label: {"base_url": url, "started": "outside this script", **peer_info(url)}
                                 for label, url in also})
         rc = run_benchmark(args, meta, points)

@@ -1,6 +1,9 @@
 from __future__ import annotations
 
+import importlib
 import json
+import os
+import sys
 
 import pytest
 
@@ -34,3 +37,15 @@ def read_report(path) -> dict:
 def write_jsonl(path, prompts: list[str], output_len: int) -> str:
     path.write_text("".join(json.dumps({"prompt": p, "output_len": output_len}) + "\n" for p in prompts))
     return str(path)
+
+
+BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks")
+
+
+def import_benchmark(name: str):
+    # A script of benchmarks/ as a module (they import their neighbours, e.g. `from common import ...`).
+    sys.path.insert(0, BENCHMARKS)
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.pop(0)

@@ -8,20 +8,15 @@ import sys
 
 import pytest
 
+from tests.bench.conftest import BENCHMARKS, import_benchmark
 from tests.bench.fake_server import FakeServer
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SCRIPT = os.path.join(ROOT, "benchmarks", "serving.py")
+SCRIPT = os.path.join(BENCHMARKS, "serving.py")
 
 
 @pytest.fixture(scope="module")
 def script():
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    try:
-        import serving as module
-    finally:
-        sys.path.pop(0)
-    return module
+    return import_benchmark("serving")
 
 
 def test_peers_measured_in_one_run(script, tmp_path, monkeypatch):
@@ -72,3 +67,35 @@ def test_vllm_command_line(script):
     assert cmd[:5] == ["/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server", "--model", "/tmp/m"]
     assert cmd[cmd.index("--dtype") + 1] == "float32" and cmd[-1] == "--max-num-seqs=16"
     assert cmd[cmd.index("--kv-cache-memory-bytes") + 1] == str(3 << 30)
+
+
+def test_llama_command_line(script):
+    args = script.argparse.Namespace(llama_server="/bin/llama-server", num_threads=2, max_model_len=2048,
+                                     llama_arg=["--no-cache-prompt"])
+    cmd = script.llama_command(args, "/m/x.gguf")
+    assert cmd[:3] == ["/bin/llama-server", "-m", "/m/x.gguf"] and cmd[-1] == "--no-cache-prompt"
+    assert (cmd[cmd.index("-t") + 1], cmd[cmd.index("-tb") + 1]) == ("2", "2")
+    assert (cmd[cmd.index("-np") + 1], cmd[cmd.index("-c") + 1]) == ("16", str(16 * 2048))
+
+
+def test_peer_specs_from_the_shared_flags(script, monkeypatch):
+    # The flags serving.py and real_models.py share: only the peers asked for, llama.cpp on --llama-gguf
+    # or else the caller's GGUF, vLLM with the VLLM_CPU_* / OMP_* environment and its long start-up timeout.
+    p = script.argparse.ArgumentParser()
+    script.add_peer_args(p, "--gguf")
+    p.add_argument("--num-threads", type=int, default=2)
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--kv-cache-memory", type=int, default=2 << 30)
+    assert script.peer_specs(p.parse_args([]), lambda: pytest.fail("no GGUF needed without llama.cpp")) == {}
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    args = p.parse_args(["--llama-server", "/bin/ls", "--vllm-model", "/m/hf", "--vllm-python", "/v/python"])
+    specs = script.peer_specs(args, lambda: "/m/q4.gguf")
+    assert list(specs) == ["llama.cpp", "vllm"]
+    (llama, llama_env, _), (vllm, vllm_env, vllm_timeout) = specs["llama.cpp"], specs["vllm"]
+    assert llama[:3] == ["/bin/ls", "-m", "/m/q4.gguf"] and llama[llama.index("-c") + 1] == str(16 * 4096)
+    assert llama_env == {} and vllm_timeout == 900.0
+    assert vllm_env == {"VLLM_CPU_KVCACHE_SPACE": "2", "OMP_NUM_THREADS": "2"}
+    assert vllm[:2] == ["/v/python", "-m"] and vllm[vllm.index("--max-model-len") + 1] == "4096"
+    args = p.parse_args(["--llama-server", "/bin/ls", "--llama-gguf", "/m/other.gguf"])
+    assert script.peer_specs(args, lambda: "/m/q4.gguf")["llama.cpp"][0][2] == "/m/other.gguf"

@@ -1,0 +1,39 @@
+"""benchmarks/real_models.py's workload runner against scripted servers: every server in one bench run, the
+--goodput targets passed on, and --warm-requests sending the workload's shape with other words first."""
+from __future__ import annotations
+
+import os
+
+from tests.bench.conftest import BENCHMARKS, import_benchmark
+from tests.bench.fake_server import FakeServer
+
+
+def test_shared_workload_warmed_then_measured(tmp_path, monkeypatch):
+    real_models = import_benchmark("real_models")
+    # The child bench runs import this checkout's package.
+    src = os.path.join(os.path.dirname(BENCHMARKS), "src")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")])))
+    monkeypatch.setitem(real_models.WORKLOADS, "tiny_shared", [
+        "--num-prompts", "3", "--input-len", "4-8", "--output-len", "5", "--shared-prefix-len", "20",
+        "--concurrency", "2"])
+    a, b = FakeServer(ttft_s=0.01, itl_s=0.002), FakeServer(ttft_s=0.05, itl_s=0.002)
+    args = real_models.argparse.Namespace(goodput=["ttft:30", "tpot:100"], warm_requests=2)
+    try:
+        report = real_models.run_workload("tiny_shared", [a.url, b.url], ["pagedserve", "vllm"], str(tmp_path),
+                                          args)
+    finally:
+        a.close()
+        b.close()
+    assert [run["endpoint"] for run in report["runs"]] == ["pagedserve", "vllm"]
+    assert all(run["metrics"]["num_completed"] == 3 for run in report["runs"])
+    assert report["config"]["slo"] == {"ttft_s": 0.03, "tpot_s": 0.1, "e2el_s": None}
+    # on each server: the 2 warm requests, the measured run's 2 short warm-up requests, its 3 requests
+    for srv in (a, b):
+        prompts = [body["prompt"] for body in srv.bodies]
+        assert len(prompts) == 2 + 2 + 3
+        warm, measured = prompts[:2], prompts[4:]
+        system = {" ".join(p.split()[:20]) for p in warm + measured}
+        assert len(system) == 1  # the same 20-word system prompt before every question
+        questions = [" ".join(p.split()[20:]) for p in warm + measured]
+        assert len(set(questions)) == 5  # the warm ones have other words than the measured ones
+    assert [x["prompt"] for x in a.bodies] == [x["prompt"] for x in b.bodies]  # every server, same workload
