@@ -1,7 +1,9 @@
 """The compiled decoder stack (model/layers/decoder_stack.py) computes what the layer modules compute, bit for
 bit: logits and every layer's KV cache, for decode rows, prefill chunks and mixed batches, float32 and bfloat16,
 on weights the AMX GEMM takes (Q4_1), on weights only gemm_gguf takes (Q4_K), on fused weights of several
-types (Q4_K_M-like), and through the int8 kernel (gemm_gguf_int8) where it runs. Where some layer needs the
+types (Q4_K_M-like), and through the int8 kernel (gemm_gguf_int8) where it runs, in batch-invariant mode too
+(every step's GEMMs in the stack, int8 in its invariant form: the modules' gguf_linear passes the same flag). Where
+some layer needs the
 modules (a float weight, a batch that goes through dequantized tiles, the reference attention) the model runs
 the modules."""
 from __future__ import annotations
@@ -58,6 +60,31 @@ def test_stack_equals_modules(tmp_path, types, dtype, monkeypatch) -> None:
     if types.endswith("int8"):
         monkeypatch.setenv("PAGEDSERVE_GGUF_INT8", "1")
     model = _model(tmp_path, qtypes, dtype)
+    used = _stack_vs_modules(model, dtype)
+    # Batches that gguf_linear sends through dequantized tiles run the modules: above 64 rows, or above 8 in
+    # the baseline build (never for bf16 Q4_1 on AMX).
+    ops = kernels.load()
+    tiles = [any(kernel_choice(ops, dtype, (int(t),)).path(sum(q for _, q in seqs)) == "tiles"
+                 for t in set(qtypes.values())) for seqs in BATCHES]
+    assert used == [not t for t in tiles]
+    if kernels.selected_isa() != "baseline":
+        assert used == [True, True, True, True]
+    int8 = [kernel_choice(ops, dtype, (int(t),)).path(8) == "int8" for t in set(qtypes.values())]
+    assert all(int8) == (types.endswith("int8") and int(T.Q4_K) in ops.gguf_int8_types())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_invariant_stack_runs_every_step(tmp_path, dtype, monkeypatch) -> None:
+    # Batch-invariant Q4_K_M with int8 on: 1, 3, 8 and 44 rows all stay in the stack (gemm_gguf_int8's
+    # batch_invariant flag picks its driver; the modules pass the same flag), bit for bit the modules' result.
+    monkeypatch.setenv("PAGEDSERVE_GGUF_INT8", "1")
+    model = _model(tmp_path, Q4_K_M, dtype)
+    model.set_batch_invariant(True)
+    assert _stack_vs_modules(model, dtype) == [True] * len(BATCHES)
+
+
+def _stack_vs_modules(model, dtype: torch.dtype) -> list[bool]:
+    # Per batch of BATCHES: the stack's logits and caches equal the modules'; returns whether the stack ran it.
     gen = torch.Generator().manual_seed(0)
     caches = [c.copy_(torch.randn(c.shape, generator=gen)) for c in
               allocate_kv_caches(2, NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM, dtype, "cpu")]
@@ -75,16 +102,7 @@ def test_stack_equals_modules(tmp_path, types, dtype, monkeypatch) -> None:
         assert torch.equal(got, want), f"{seqs}: logits differ by {(got - want).abs().max()}"
         for layer, (a, b) in enumerate(zip(stack_caches, caches)):
             assert torch.equal(a, b), f"{seqs}: layer {layer}'s cache differs"
-    # Batches that gguf_linear sends through dequantized tiles run the modules: above 64 rows, or above 8 in
-    # the baseline build (never for bf16 Q4_1 on AMX).
-    ops = kernels.load()
-    tiles = [any(kernel_choice(ops, dtype, (int(t),)).path(sum(q for _, q in seqs)) == "tiles"
-                 for t in set(qtypes.values())) for seqs in BATCHES]
-    assert used == [not t for t in tiles]
-    if kernels.selected_isa() != "baseline":
-        assert used == [True, True, True, True]
-    int8 = [kernel_choice(ops, dtype, (int(t),)).path(8) == "int8" for t in set(qtypes.values())]
-    assert all(int8) == (types.endswith("int8") and int(T.Q4_K) in ops.gguf_int8_types())
+    return used
 
 
 def test_modules_serve_what_the_stack_does_not(tmp_path) -> None:

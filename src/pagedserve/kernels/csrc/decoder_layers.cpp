@@ -11,8 +11,8 @@
 // Q4_K and Q6_K), listed in order in weights and their types in qtypes; biases[j] (None for none); gemm_ids[j]
 // the kernel of linear j: 0 gemm_gguf, 1 gemm_gguf_amx, 2 gemm_gguf_int8 (model/layers/gguf_quant.py's
 // kernel_choice picks, as it does per call from Python: GEMM_IDS); heads = [num_heads, num_kv_heads,
-// head_dim]; batch_invariant: attention in its batch-invariant form (paged_attention_windowed's flag; the
-// caller picks row-independent GEMMs in gemm_ids). x: the embeddings [tokens, hidden];
+// head_dim]; batch_invariant: attention and gemm_gguf_int8 in their batch-invariant forms (both ops' flag; the
+// caller picks gemm_gguf or gemm_gguf_int8 in gemm_ids, both row-independent then). x: the embeddings [tokens, hidden];
 // returns the last layer's output and the residual stream (the hidden state is their sum, pre-final-norm).
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -51,7 +51,7 @@ using AttentionSig = Tensor(const Tensor&, const Tensor&, const Tensor&, Tensor,
                             const Tensor&, const Tensor&, double, int64_t, int64_t, double, bool);
 using GemmSig = Tensor(const Tensor&, const Tensor&, int64_t, const OptTensor&);
 using AmxSig = Tensor(const Tensor&, const Tensor&, int64_t, const OptTensor&, std::optional<at::ScalarType>);
-using Int8Sig = Tensor(const Tensor&, const Tensor&, int64_t, const OptTensor&, std::optional<bool>);
+using Int8Sig = Tensor(const Tensor&, const Tensor&, int64_t, const OptTensor&, std::optional<bool>, bool);
 
 struct Ops {
   Op<NormSig> rms_norm = handle<NormSig>("rms_norm");
@@ -109,7 +109,7 @@ std::tuple<Tensor, Tensor> decoder_layers(const Tensor& embeddings, const Tensor
   auto gemm = [&](const Tensor& x, size_t j, size_t part, const OptTensor& bias) {
     switch (gemm_ids[j]) {
       case 1: return amx_gemm().call(x, weights[part], qtypes[part], bias, std::nullopt);
-      case 2: return o.int8_gemm.call(x, weights[part], qtypes[part], bias, std::nullopt);
+      case 2: return o.int8_gemm.call(x, weights[part], qtypes[part], bias, std::nullopt, batch_invariant);
       default: return o.gemm.call(x, weights[part], qtypes[part], bias);
     }
   };

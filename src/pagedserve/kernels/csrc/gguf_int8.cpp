@@ -1,7 +1,11 @@
 // The int8-activation block GEMM of gguf_int8.h as ops:
-//   gemm_gguf_int8(x [M, K] f32 or bf16, w [N, row_bytes] u8, type, bias?, vnni?) -> y [M, N] = x^ W^T (+ bias)
+//   gemm_gguf_int8(x [M, K] f32 or bf16, w [N, row_bytes] u8, type, bias?, vnni?, batch_invariant=False)
+//       -> y [M, N] = x^ W^T (+ bias)
 //     x^: x quantized to int8 per 256 values (gguf_int8.h); y in x's dtype. vnni: None takes AVX512-VNNI where
 //     the CPU has it; False the dot products without it (vpmaddubsw + vpmaddwd); True requires VNNI.
+//     By default the rows of x pick the driver (1-4 rows gguf_int8_gemv.h, 5-31 gguf_int8.h, 32+
+//     gguf_int8_tiles.h), each adding a row's products in its own order; batch_invariant takes gguf_int8.h's
+//     driver at every M, so each row of y is bit for bit the same whatever the rows beside it.
 //   gguf_int8_types(vnni?) -> the GGML types gemm_gguf_int8 multiplies in this build on this CPU (empty:
 //     none), with the dot products `vnni` picks as above
 //   gguf_int8_gemv_types() -> the types whose 1-4 rows of x take the few-row kernel (gguf_int8_gemv.h: Q4_K,
@@ -45,9 +49,9 @@ std::vector<int64_t> gguf_int8_types(c10::optional<bool> vnni) {
 // The k-quants from int8::tiles::kMinRows rows of x through gguf_int8_tiles.h's driver, the rest through
 // gguf_int8.h's.
 template <int64_t T, typename Out>
-void run(const int8::Args& a, bool vnni) {
+void run(const int8::Args& a, bool vnni, bool invariant) {
   if constexpr (int8::kIntScales<T>) {
-    if (a.m >= int8::tiles::kMinRows) return int8::tiles::gemm<T, Out>(a, vnni);
+    if (a.m >= int8::tiles::kMinRows && !invariant) return int8::tiles::gemm<T, Out>(a, vnni);
   }
   int8::gemm<T, Out>(a, vnni);
 }
@@ -63,7 +67,7 @@ std::vector<int64_t> gguf_int8_gemv_types() {
 }
 
 at::Tensor gemm_gguf_int8(const at::Tensor& x, const at::Tensor& w, int64_t type,
-                          const c10::optional<at::Tensor>& bias, c10::optional<bool> vnni) {
+                          const c10::optional<at::Tensor>& bias, c10::optional<bool> vnni, bool invariant) {
   constexpr const char* op = "gemm_gguf_int8";
   at::Tensor bias32;
   const int64_t k = check_gemm(x, w, type, bias, op, bias32), n = w.size(0), m = x.size(0);
@@ -78,7 +82,7 @@ at::Tensor gemm_gguf_int8(const at::Tensor& x, const at::Tensor& w, int64_t type
   const bool use_vnni = vnni.value_or(has_vnni);
   const bool bf16 = x.scalar_type() == at::kBFloat16;
 #if defined(PAGEDSERVE_GGUF_INT8_VNNI)
-  if (int8::gemv::takes(type, m)) {  // single-stream decode: gguf_int8_gemv.h
+  if (!invariant && int8::gemv::takes(type, m)) {  // single-stream decode: gguf_int8_gemv.h
     const float* xf = bf16 ? nullptr : x.data_ptr<float>();
     const c10::BFloat16* xb = bf16 ? x.data_ptr<c10::BFloat16>() : nullptr;
     const float* bp = bias32.defined() ? bias32.data_ptr<float>() : nullptr;
@@ -108,7 +112,7 @@ at::Tensor gemm_gguf_int8(const at::Tensor& x, const at::Tensor& w, int64_t type
   const int8::Args a{{qp, d.data(), s16.data(), kpad, groups}, m, k, w.data_ptr<uint8_t>(), n, w.size(1),
                      bias32.defined() ? bias32.data_ptr<float>() : nullptr, y.data_ptr()};
 #define PAGEDSERVE_INT8_CASE(T) \
-  case T: bf16 ? run<T, c10::BFloat16>(a, use_vnni) : run<T, float>(a, use_vnni); break;
+  case T: bf16 ? run<T, c10::BFloat16>(a, use_vnni, invariant) : run<T, float>(a, use_vnni, invariant); break;
   switch (type) {
     PAGEDSERVE_INT8_CASE(kQ4_0)
     PAGEDSERVE_INT8_CASE(kQ4_1)
@@ -122,7 +126,7 @@ at::Tensor gemm_gguf_int8(const at::Tensor& x, const at::Tensor& w, int64_t type
   }
 #undef PAGEDSERVE_INT8_CASE
 #else
-  (void)vnni, (void)k;
+  (void)vnni, (void)k, (void)invariant;
 #endif
   return y;
 }
@@ -130,7 +134,7 @@ at::Tensor gemm_gguf_int8(const at::Tensor& x, const at::Tensor& w, int64_t type
 }  // namespace
 
 PAGEDSERVE_LIBRARY_FRAGMENT(m) {
-  m.def("gemm_gguf_int8(Tensor x, Tensor w, int type, Tensor? bias, bool? vnni=None) -> Tensor");
+  m.def("gemm_gguf_int8(Tensor x, Tensor w, int type, Tensor? bias, bool? vnni=None, bool batch_invariant=False) -> Tensor");
   m.impl("gemm_gguf_int8", c10::DispatchKey::CPU, gemm_gguf_int8);
   m.def("gguf_int8_types(bool? vnni=None) -> int[]", &gguf_int8_types);
   m.def("gguf_int8_gemv_types() -> int[]", &gguf_int8_gemv_types);

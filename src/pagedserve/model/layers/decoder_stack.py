@@ -20,7 +20,7 @@ import torch
 from pagedserve import kernels
 from pagedserve.attention.cpu_paged import CpuPagedAttentionBackend, kernel_supports
 from pagedserve.attention.metadata import AttentionMetadata
-from pagedserve.model.layers.gguf_quant import GEMM_IDS, INT8_MIN_ROWS, INT8_TILES_MIN_ROWS, kernel_choice
+from pagedserve.model.layers.gguf_quant import GEMM_IDS, kernel_choice
 from pagedserve.model.layers.linear import Linear
 from pagedserve.model.layers.norm import RMSNorm
 
@@ -91,6 +91,4 @@ class DecoderStack:
         paths = {q: kernel_choice(ops, dtype, q).path(m, self.batch_invariant) for q in self.qtype_set}
         if "tiles" in paths.values():
             return None
-        if self.batch_invariant and not INT8_MIN_ROWS <= m < INT8_TILES_MIN_ROWS and "int8" in paths.values():
-            return None  # gguf_linear pads or splits the rows (one int8 driver); the stack would not
         return [GEMM_IDS[paths[q]] for q in self.linear_qtypes]

@@ -33,11 +33,11 @@ kernels.
 
 Batch-invariant mode (--batch-invariant, docs/batch_invariance.md): the kernel changing with the number of rows
 is what makes a request's greedy tokens depend on the batch (each kernel rounds differently), so there one kernel
-serves every row count: gemm_gguf_int8 where the default would take it for some row counts (gguf_int8.h's driver
-only: rows go in calls of INT8_MIN_ROWS to INT8_TILES_MIN_ROWS - 1), else gemm_gguf. Both give each row of x the same
-sums in the same order whatever the rows beside it (every block's products into one accumulator per row, in block
-order; int8 quantizes x per row), which tests/model/test_batch_invariant.py checks for every type.
-gemm_gguf_amx and the tiles (torch's GEMM, whose blocking follows the shape) are not used.
+serves every row count: gemm_gguf_int8 with batch_invariant=True (gguf_int8.h's driver at every row count) where the
+default would take int8 for some row counts, else gemm_gguf. Both give each row of x the same sums in the same order
+whatever the rows beside it (every block's products into one accumulator per row, in block order; int8 quantizes x
+per row), which tests/model/test_batch_invariant.py checks for every type. gemm_gguf_amx and the tiles (torch's
+GEMM, whose blocking follows the shape) are not used.
 """
 from __future__ import annotations
 
@@ -89,11 +89,6 @@ INT8_GEMV_MIN_ROWS = 1
 # Q4_1 and Q8_0 stay on the float kernels (0.4-0.9x up to 8 rows, 0.9-1.8x above, mixed by shape).
 INT8_Q5_TYPES = (6, 7)
 INT8_Q5_ROWS = (8, 64)
-# gemm_gguf_int8 runs one of three drivers by its rows of x: the few-row kernel (csrc/gguf_int8_gemv.h) below
-# INT8_MIN_ROWS where the build has it, gguf_int8.h's from there, the register tiles (gguf_int8_tiles.h's kMinRows)
-# from INT8_TILES_MIN_ROWS; each adds a row's lanes and groups in its own order. Batch-invariant mode runs only
-# the middle one: calls of INT8_MIN_ROWS to INT8_TILES_MIN_ROWS - 1 rows, fewer rows padded with zero rows.
-INT8_TILES_MIN_ROWS = 32
 
 
 @dataclass(slots=True)
@@ -200,7 +195,7 @@ def _int8_q5_types(ops) -> frozenset[int]:
 @functools.cache
 def _int8_gemv_types(ops) -> frozenset[int]:
     # The types gemm_gguf_int8's few-row kernel multiplies in this build (none before avx512).
-    return frozenset(ops.gguf_int8_gemv_types()) if hasattr(ops, "gguf_int8_gemv_types") else frozenset()
+    return frozenset(ops.gguf_int8_gemv_types())
 
 
 @dataclass(frozen=True, slots=True)
@@ -253,11 +248,7 @@ def gguf_linear(x: torch.Tensor, w: GGUFWeight, bias: torch.Tensor | None,
     x = x.contiguous() if w.in_order is None else x.index_select(1, w.in_order)
     path = kernel_choice(ops, x.dtype, w.qtypes).path(m, invariant)
     if path == "int8":
-        if invariant and not INT8_MIN_ROWS <= m < INT8_TILES_MIN_ROWS:  # gguf_int8.h's driver at every m
-            chunks = _driver_chunks(x)
-            return _by_parts(w, bias, lambda p, t, b: torch.cat([ops.gemm_gguf_int8(c, p, t, b)
-                                                                 for c in chunks])[:m])
-        return _by_parts(w, bias, lambda p, t, b: ops.gemm_gguf_int8(x, p, t, b))
+        return _by_parts(w, bias, lambda p, t, b: ops.gemm_gguf_int8(x, p, t, b, None, invariant))
     if path == "gemv":
         return _by_parts(w, bias, lambda p, t, b: ops.gemm_gguf(x, p, t, b))
     if path == "amx":
@@ -271,16 +262,6 @@ def gguf_linear(x: torch.Tensor, w: GGUFWeight, bias: torch.Tensor | None,
             r1 = min(r0 + tile_rows, w.out_features)
             y[:, r0:r1] = x @ gguf_dequantize(w, slice(r0, r1)).to(x.dtype).t()
     return y if bias is None else y.add_(bias)
-
-
-def _driver_chunks(x: torch.Tensor) -> list[torch.Tensor]:
-    # x's rows in calls that gemm_gguf_int8 runs through gguf_int8.h's driver (INT8_TILES_MIN_ROWS above);
-    # the last one padded with zero rows to INT8_MIN_ROWS.
-    chunks = list(x.split(INT8_TILES_MIN_ROWS - 1))
-    short = INT8_MIN_ROWS - chunks[-1].shape[0]
-    if short > 0:
-        chunks[-1] = torch.cat([chunks[-1], chunks[-1].new_zeros(short, x.shape[1])])
-    return chunks
 
 
 def _by_parts(w: GGUFWeight, bias: torch.Tensor | None, gemm) -> torch.Tensor:
