@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -95,6 +96,45 @@ def test_a_short_pool_reads_no_more_blocks_than_it_can_take_and_keeps_them(tmp_p
     assert b.allocate_slots(req, 1, []) == [3, 4, 0, 1, 2]
     assert [(i, bytes(p)) for i, p in b.take_block_ops().load] == [(3, payload(0)), (4, payload(1)),
                                                                    (0, payload(2)), (1, payload(3))]
+
+
+def test_writer_reads_pinned_blocks_from_the_pool_and_drops_stores_past_the_bound_unread(tmp_path):
+    # With the pool in host memory the writer reads a block's K/V straight from it: the block stays pinned
+    # (allocation skips it, usage() does not count it, prefix hits may take it) until the writer is done.
+    kv = KVCacheManager(num_blocks=10, block_size=4, disk=DiskKVStore(str(tmp_path), None, NBYTES, ROOT))
+    kv.max_disk_pins = 2
+    memory = [bytearray(payload(i)) for i in range(10)]   # the pool; a block is two pieces (K, V)
+    reads = []
+
+    def views(block_ids):
+        reads.extend(block_ids)
+        return [[memoryview(memory[b])[:NBYTES // 2], memoryview(memory[b])[NBYTES // 2:]] for b in block_ids]
+
+    gate = threading.Event()
+    write = kv.disk._write
+    kv.disk._write = lambda *a: (gate.wait(30), write(*a))
+    req = make_request("a", prompt_len=13)                # blocks 0-2 full, 3 partial
+    run_prompt(kv, req)
+    hashes = kv.req_hashes["a"][:3]
+    kv.write_disk_stores(views, pin=True)
+    assert reads == [0, 1] and kv.disk.stats.num_dropped_stores == 1  # block 2 dropped before any read
+    kv.free(req)
+    assert kv.pool.num_free_blocks == 8 and kv.usage() == 0.0
+    hit = make_request("b", prompt_len=13)                # a prefix hit takes the pinned blocks
+    hits, _ = kv.get_computed_blocks(hit)
+    assert [b.block_id for b in hits] == [0, 1, 2]
+    kv.allocate_slots(hit, 1, hits)
+    kv.free(hit)
+    assert kv.pool.num_free_blocks == 8 and kv.usage() == 0.0
+    assert sorted(b.block_id for b in kv.pool.allocate(8)) == list(range(2, 10))
+    kv.release_disk_pins()                                # the writer is not done: still pinned
+    assert kv.pool.num_free_blocks == 0 and kv.usage() == 0.8
+    gate.set()
+    kv.disk.flush()
+    kv.release_disk_pins()
+    assert sorted(kv.pool.free_queue) == [0, 1] and kv.num_disk_pins == 0
+    assert [bytes(kv.disk.load(h)) for h in hashes[:2]] == [payload(0), payload(1)]
+    assert kv.disk.load(hashes[2]) is None
 
 
 def test_corrupt_torn_and_foreign_files_are_misses(tmp_path):

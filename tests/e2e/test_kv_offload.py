@@ -18,15 +18,25 @@ PROMPT = {"prompt_token_ids": [300 + (i * 37) % 5000 for i in range(90)]}  # 5 f
 NUM_PROMPT_BLOCKS = 5
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
+def tiny_model(tmp_path_factory, name: str, **shape) -> str:
     from pagedserve.model.loader import resolve_model_dir
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(resolve_model_dir(None)[0])
-    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=len(tokenizer),
-                                      max_position_embeddings=256)
-    return save_hf_dir(random_hf_model(config, scale=0.3), tokenizer, tmp_path_factory.mktemp("kvdisk") / "tiny")
+    config = transformers.LlamaConfig(**{**dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                                num_attention_heads=4, num_key_value_heads=2), **shape},
+                                      vocab_size=len(tokenizer), max_position_embeddings=256)
+    return save_hf_dir(random_hf_model(config, scale=0.3), tokenizer, tmp_path_factory.mktemp("kvdisk") / name)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tiny_model(tmp_path_factory, "tiny")
+
+
+@pytest.fixture(scope="module")
+def draft_dir(tmp_path_factory):  # another geometry than the target's: 1 layer, 1 KV head of 32
+    return tiny_model(tmp_path_factory, "draft", hidden_size=64, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=1)
 
 
 def engine(model_dir: str, kv_dir=None, **kwargs) -> LLM:
@@ -43,6 +53,10 @@ def run(llm: LLM):
 
 def prompt_kv(llm: LLM, req_blocks: list[int]) -> list[bytes]:
     return [bytes(b) for b in read_blocks(llm.llm_engine.core.runner.kv_caches, req_blocks)]
+
+
+def draft_kv(llm: LLM, req_blocks: list[int]) -> list[bytes]:
+    return [bytes(b) for b in read_blocks(llm.llm_engine.core.runner.drafter.kv_caches, req_blocks)]
 
 
 def prompt_hashes(llm: LLM) -> list[bytes]:
@@ -82,6 +96,26 @@ def test_restarted_engine_loads_the_prefix_and_generates_the_same(model_dir, tmp
     assert f'vllm:kv_offload_hit_tokens_total{{model_name="m"}} {16 * NUM_PROMPT_BLOCKS}.0' in text
 
 
+def test_draft_models_kv_is_stored_and_loaded_with_the_block(model_dir, draft_dir, tmp_path):
+    spec = {"method": "draft_model", "model": draft_dir, "num_speculative_tokens": 2}
+    first = engine(model_dir, tmp_path, speculative_config=spec)
+    cold = run(first)
+    ids = cached_block_ids(first)
+    computed = prompt_kv(first, ids), draft_kv(first, ids)
+    assert any(any(b) for b in computed[1])                              # the draft ran over the prompt
+    del first
+    second = engine(model_dir, tmp_path, speculative_config=spec, num_gpu_blocks_override=40)
+    warm = run(second)
+    assert second.llm_engine.core.kv.disk.stats.num_loaded_blocks == NUM_PROMPT_BLOCKS
+    ids = cached_block_ids(second)
+    assert (prompt_kv(second, ids), draft_kv(second, ids)) == computed  # both models' K/V, byte for byte
+    assert warm.outputs[0].token_ids == cold.outputs[0].token_ids
+    # Files with a draft's K/V are not another layout's: an engine without the draft does not read them.
+    third = engine(model_dir, tmp_path)
+    run(third)
+    assert third.llm_engine.core.kv.disk.stats.num_loaded_blocks == 0
+
+
 def scrape(llm: LLM) -> str:
     # What /metrics exports from this engine's counters (the collector the server registers).
     from prometheus_client import CollectorRegistry, generate_latest
@@ -118,7 +152,6 @@ def test_corrupt_block_is_recomputed(model_dir, tmp_path):
 @pytest.mark.parametrize("kwargs, match", [
     (dict(enable_prefix_caching=False), "prefix caching"),
     (dict(tensor_parallel_size=2), "tensor-parallel"),
-    (dict(speculative_config={"method": "draft_model", "model": "x", "num_speculative_tokens": 2}), "draft_model"),
 ])
 def test_unsupported_configs_are_refused(tmp_path, kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -1,7 +1,7 @@
 """The pool of physical KV blocks: reference counts, an LRU free queue and the prefix-cache hash map.
 
 Invariants:
-  * a block with ref_cnt 0 is in the free queue; a block with ref_cnt > 0 is not;
+  * a block with ref_cnt 0 is in the free queue unless pinned; a block with ref_cnt > 0 is not;
   * a block with a hash is in `cached` under that hash (one block per hash) until it is evicted;
   * the free queue is ordered least-recently-freed first, so eviction takes the coldest cached block.
 Freed blocks keep their hash and contents: a later request with the same prefix can take them back
@@ -56,6 +56,7 @@ class KVBlock:
     block_id: int
     ref_cnt: int = 0
     block_hash: BlockHash | None = None
+    pinned: bool = False  # the disk tier's writer reads it: not allocatable, though maybe unreferenced
     residency: BlockTrack | None = None  # timestamps, on sampled blocks only (kv_residency.py)
 
 
@@ -70,6 +71,7 @@ class BlockPool:
         self.cached: dict[BlockHash, KVBlock] = {}
         self.num_evictions = 0
         self.num_shared_blocks = 0  # blocks with ref_cnt > 1, kept incrementally for metrics
+        self.num_pinned_free = 0    # pinned blocks with ref_cnt 0: free as far as usage() is concerned
         # Residency is about what the prefix cache keeps; the host swap pool (no caching) is not sampled.
         self.residency = ResidencySampler() if enable_caching else None
         # Set when KV events are on: every hash this pool gains (through KVCacheManager.cache_blocks, which
@@ -81,7 +83,7 @@ class BlockPool:
         return len(self.free_queue)
 
     def usage(self) -> float:
-        return 1.0 - len(self.free_queue) / self.num_blocks
+        return 1.0 - (len(self.free_queue) + self.num_pinned_free) / self.num_blocks
 
     def allocate(self, num: int) -> list[KVBlock]:
         if num > len(self.free_queue):
@@ -110,7 +112,7 @@ class BlockPool:
         # Take a reference on blocks found in the prefix cache (possibly sitting in the free queue).
         for block in blocks:
             if block.ref_cnt == 0:
-                del self.free_queue[block.block_id]
+                self._take(block)
             block.ref_cnt += 1
             if block.ref_cnt == 2:
                 self.num_shared_blocks += 1
@@ -126,7 +128,34 @@ class BlockPool:
             if block.ref_cnt == 1:
                 self.num_shared_blocks -= 1
             if block.ref_cnt == 0:
-                self.free_queue[block.block_id] = block
+                self._put(block)
+
+    def pin(self, block: KVBlock) -> None:
+        # Until unpin, allocation cannot reuse the block (the disk writer reads its K/V straight from the
+        # pool); prefix hits can still take it. Not a reference: usage() and sharing counts ignore it.
+        assert not block.pinned, f"block {block.block_id} pinned twice"
+        if block.ref_cnt == 0:
+            del self.free_queue[block.block_id]
+            self.num_pinned_free += 1
+        block.pinned = True
+
+    def unpin(self, block: KVBlock) -> None:
+        block.pinned = False
+        if block.ref_cnt == 0:
+            self.num_pinned_free -= 1
+            self.free_queue[block.block_id] = block
+
+    def _take(self, block: KVBlock) -> None:  # an unreferenced block gains a reference
+        if block.pinned:
+            self.num_pinned_free -= 1
+        else:
+            del self.free_queue[block.block_id]
+
+    def _put(self, block: KVBlock) -> None:  # a block's last reference is gone
+        if block.pinned:
+            self.num_pinned_free += 1
+        else:
+            self.free_queue[block.block_id] = block
 
     def lookup(self, block_hash: BlockHash) -> KVBlock | None:
         return self.cached.get(block_hash)

@@ -14,7 +14,10 @@ Swapping moves a preempted request's blocks to a host pool and back; the copies 
 
 With a disk tier (core/kv_disk.py) a prefix-cache miss goes on to the disk: blocks found there are read now,
 loaded into newly allocated blocks before the next forward pass (BlockOps.load) and count as computed.
-Every block that becomes cached is queued for the disk (take_disk_stores) unless it came from there.
+Every block that becomes cached is queued for the disk (take_disk_stores) unless it came from there. With the
+pool in host memory the writer reads a block straight from it: the block is pinned (not allocatable) until
+written, at most max_disk_pins at once; blocks beyond that, or beyond the writer's queue, are dropped before
+any copy, so a writer that falls behind costs the engine nothing.
 """
 from __future__ import annotations
 
@@ -60,6 +63,8 @@ class KVCacheManager:
         self.disk = disk
         self._disk_hits: tuple[str, list[tuple[BlockHash, bytearray]]] | None = None
         self._disk_stores: list[DiskRecord] = []
+        self.max_disk_pins = max(1, num_blocks // 8)  # pinned blocks shrink the pool for the scheduler
+        self.num_disk_pins = 0
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
         # Other tiers (disk) record into the same collector, so consumers see one ordered stream.
@@ -252,12 +257,27 @@ class KVCacheManager:
         stores, self._disk_stores = self._disk_stores, []
         return stores
 
-    def write_disk_stores(self, read_blocks) -> None:
-        # After a step. read_blocks(block ids) -> each block's K/V bytes (the executor's copy).
+    def write_disk_stores(self, read_blocks, pin: bool) -> None:
+        # After a step. read_blocks(block ids) -> each block's K/V as a list of buffers in file order: views of
+        # the pool (pin: the blocks stay pinned until written) or copies.
+        self.release_disk_pins()
         stores = self.take_disk_stores()
-        if stores:
-            for record, payload in zip(stores, read_blocks([r.block_id for r in stores])):
-                self.disk.store(record, payload)
+        if not stores:
+            return
+        fit = min(len(stores), self.disk.room(), self.max_disk_pins - self.num_disk_pins if pin else len(stores))
+        self.disk.stats.num_dropped_stores += len(stores) - fit
+        stores = stores[:fit]
+        for record, payload in zip(stores, read_blocks([r.block_id for r in stores])):
+            if pin:
+                self.pool.pin(self.pool.blocks[record.block_id])
+                self.num_disk_pins += 1
+            self.disk.store(record, payload, pinned=pin)
+
+    def release_disk_pins(self) -> None:
+        # Blocks the writer is done with become allocatable again.
+        for block_id in self.disk.take_written():
+            self.pool.unpin(self.pool.blocks[block_id])
+            self.num_disk_pins -= 1
 
     def _report_stored(self, req: Request, hashes: list[BlockHash], start: int, added: list[bool]) -> None:
         # One BlockStored per run of blocks this call added; a block whose hash another block already holds

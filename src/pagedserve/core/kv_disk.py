@@ -52,7 +52,7 @@ class KVOffloadStats:
     num_hit_tokens: int = 0        # prompt tokens loaded from disk instead of computed
     num_evicted_blocks: int = 0
     num_corrupt_blocks: int = 0
-    num_dropped_stores: int = 0    # the writer fell behind by MAX_QUEUED_BYTES
+    num_dropped_stores: int = 0    # the writer fell behind: MAX_QUEUED_BYTES queued, or the pin bound
     disk_bytes: int = 0            # bytes of block files in the directory at the last scan or write
 
 
@@ -75,9 +75,6 @@ def check_offload_config(config) -> None:
         raise ValueError("--kv-offload-dir needs prefix caching: drop --no-enable-prefix-caching")
     if config.parallel.tensor_parallel_size > 1:
         raise ValueError("--kv-offload-dir does not support --tensor-parallel-size > 1 yet")
-    if config.speculative is not None and config.speculative.method == "draft_model":
-        raise ValueError("--kv-offload-dir does not support speculative method 'draft_model' yet (the draft's "
-                         "K/V is not stored with the blocks)")
 
 
 def model_fingerprint(path: str, load_format: str = "auto") -> str:
@@ -134,6 +131,7 @@ class DiskKVStore:
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)  # notified when the queue has been written out
         self._tmp_seq = 0
+        self._written: list[int] = []  # pinned blocks written (or failed), for take_written
         self._scan()  # the directory's size, before the first write can push it over the bound
         self._thread = threading.Thread(target=self._write_loop, name="kv-offload-writer", daemon=True)
         self._thread.start()
@@ -187,14 +185,30 @@ class DiskKVStore:
 
     # ------------------------------------------------------------------ writes (writer thread)
 
-    def store(self, record: DiskRecord, payload) -> None:
-        """Queue a full block's K/V (a bytes-like object of block_nbytes, not changed afterwards)."""
+    def room(self) -> int:
+        # How many more blocks may be queued now: the caller drops the rest before copying or pinning them
+        # (and counts them in num_dropped_stores), so a dropped block costs nothing.
+        with self._lock:
+            return max(0, (MAX_QUEUED_BYTES - self._queued_bytes) // self.block_nbytes)
+
+    def store(self, record: DiskRecord, payload, pinned: bool = False) -> None:
+        """Queue a full block's K/V: a bytes-like object of block_nbytes, or a list of them in file order,
+        not changed until written. pinned: they are views of the pool, and the block stays pinned (not
+        allocatable) until take_written() returns its id, written or not."""
         with self._lock:
             if self._queued_bytes + self.block_nbytes > MAX_QUEUED_BYTES:
                 self.stats.num_dropped_stores += 1
+                if pinned:
+                    self._written.append(record.block_id)
                 return
             self._queued_bytes += self.block_nbytes
-        self._queue.put((record, payload))
+        self._queue.put((record, payload if isinstance(payload, list) else [payload], pinned))
+
+    def take_written(self) -> list[int]:
+        # Block ids of pinned stores the writer is done with (engine thread: it unpins them).
+        with self._lock:
+            done, self._written = self._written, []
+        return done
 
     def flush(self, timeout: float | None = None) -> bool:
         # True once every queued block is on disk (tests, benchmarks, shutdown); False if timeout ran out.
@@ -214,17 +228,20 @@ class DiskKVStore:
         except (AttributeError, OSError):  # not Linux, or not allowed: normal priority
             pass
         while (item := self._queue.get()) is not None:
+            record, chunks, pinned = item
             try:
-                self._write(*item)
+                self._write(record, chunks)
             except OSError:  # a full or read-only volume: the block stays recomputable, serving goes on
                 pass
             finally:
                 with self._lock:
                     self._queued_bytes -= self.block_nbytes
+                    if pinned:
+                        self._written.append(record.block_id)
                     if not self._queued_bytes:
                         self._idle.notify_all()
 
-    def _write(self, record: DiskRecord, payload) -> None:
+    def _write(self, record: DiskRecord, chunks: list) -> None:
         block_hash = record.block_hash
         path = self.path(block_hash)
         if os.path.exists(path):  # another replica, or an earlier run, wrote it
@@ -233,18 +250,24 @@ class DiskKVStore:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         self._tmp_seq += 1
         tmp = f"{path}.{os.getpid()}.{threading.get_native_id()}.{self._tmp_seq}.tmp"
-        header = _HEADER.pack(MAGIC, VERSION, block_hash, len(payload), zlib.crc32(payload))
+        crc = 0
+        for chunk in chunks:  # zlib and writev release the GIL: the engine thread runs meanwhile
+            crc = zlib.crc32(chunk, crc)
+        header = _HEADER.pack(MAGIC, VERSION, block_hash, self.block_nbytes, crc)
         try:
-            with open(tmp, "wb") as f:
-                f.write(header)
-                f.write(payload)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+            try:  # straight from the pool's memory (pinned blocks) into the file: no copy on the way
+                if os.writev(fd, [header, *chunks]) != _HEADER.size + self.block_nbytes:
+                    raise OSError("short write")
+            finally:
+                os.close(fd)
             os.replace(tmp, path)
         except BaseException:
             _unlink(tmp)
             raise
-        size = _HEADER.size + len(payload)
+        size = _HEADER.size + self.block_nbytes
         self.stats.num_stored_blocks += 1
-        self.stats.stored_bytes += len(payload)
+        self.stats.stored_bytes += self.block_nbytes
         self.stats.disk_bytes += size
         if self.events is not None:
             self.events.stored([block_hash], record.parent_hash, record.token_ids, [record.extra_keys])

@@ -79,13 +79,15 @@ class EngineCore:
         bs = config.cache.block_size
         # KV events: the pool records what it caches and evicts; step() hands each step's events to the publisher.
         self.kv_events = KVEventCollector(bs) if config.kv_events is not None and config.kv_events.active else None
+        disk = open_disk_tier(config, spec.bytes_per_block, draft.bytes_per_block if draft else 0)
         self.kv = KVCacheManager(num_blocks, bs, config.cache.enable_prefix_caching, num_host_blocks,
-                                 kv_events=self.kv_events, disk=open_disk_tier(config, spec.bytes_per_block))
+                                 kv_events=self.kv_events, disk=disk)
         self.kv_event_publisher = make_publisher(config.kv_events, config.model.model or self.model_name)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, config.cache.preemption_mode,
                                    getattr(loaded.model, "longrope_switch", None))
         self.structured_output = StructuredOutputManager(self.hf_config.vocab_size)
         ex.initialize(KVCacheConfig(num_blocks, num_host_blocks, self.max_model_len))
+        self._disk_reader = ex.disk_block_reader() if self.kv.disk is not None else None
         self.stats = EngineStats()
         # Samples of one user request (a sample's group is the sample it forks, or itself), so metrics count
         # a request once when its last sample ends, as vLLM does.
@@ -170,6 +172,8 @@ class EngineCore:
 
     def step(self) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
+        if self.kv.disk is not None:
+            self.kv.release_disk_pins()  # blocks the disk writer is done with are allocatable again
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return outputs
@@ -188,7 +192,7 @@ class EngineCore:
         num_before = {rid: requests[rid].num_output_tokens for rid in result.req_ids if rid in requests}
         updated = self.scheduler.update(plan, result)
         if self.kv.disk is not None:
-            self.kv.write_disk_stores(self.executor.read_blocks)
+            self.kv.write_disk_stores(*self._disk_reader)
         if self.structured_output.matchers:
             updated = self._accept_structured(updated, outputs)
         now = time.monotonic()

@@ -61,8 +61,8 @@ class Executor:
     def apply_plan(self, plan: SchedulerOutput) -> None:
         self.worker.apply_plan(plan)
 
-    def read_blocks(self, block_ids: list[int]) -> list[memoryview]:
-        return self.worker.read_blocks(block_ids)  # the disk tier runs without tensor parallelism: rank 0's
+    def disk_block_reader(self):
+        return self.worker.disk_block_reader()  # the disk tier runs without tensor parallelism: rank 0's
 
     def execute_model(self, num_scheduled_tokens: dict[str, int], propose_drafts: bool = True) -> ModelRunnerOutput:
         return self.worker.execute_model(num_scheduled_tokens, propose_drafts)

@@ -63,9 +63,10 @@ def allocate_host_caches(num_layers: int, num_blocks: int, block_size: int, num_
                         pin_memory=pin) for _ in range(num_layers)]
 
 
-def apply_block_ops(ops, kv_caches: list[torch.Tensor], host_caches: list[torch.Tensor]) -> None:
+def apply_block_ops(ops, kv_caches: list[torch.Tensor], host_caches: list[torch.Tensor], load_offset: int = 0) -> None:
     """Run a plan's swap-outs, swap-ins, copy-on-write copies and disk loads, in that order, before the
-    forward pass."""
+    forward pass. load_offset: where these caches' K/V starts in a loaded block (past the target's for the
+    draft model's)."""
     if not ops:
         return
     for pairs, src_caches, dst_caches in ((ops.swap_out, kv_caches, host_caches),
@@ -74,7 +75,7 @@ def apply_block_ops(ops, kv_caches: list[torch.Tensor], host_caches: list[torch.
         if pairs:
             copy_blocks(pairs, src_caches, dst_caches)
     if ops.load:
-        write_blocks(kv_caches, ops.load)
+        write_blocks(kv_caches, ops.load, load_offset)
 
 
 def copy_blocks(pairs: list[tuple[int, int]], src_caches: list[torch.Tensor],

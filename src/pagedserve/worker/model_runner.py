@@ -18,6 +18,7 @@ from pagedserve.spec_decode.draft_model import DraftModel, DraftRow
 from pagedserve.spec_decode.rejection_sampler import rejection_sample
 from pagedserve.worker.input_batch import InputBatch
 from pagedserve.worker.kv_cache import apply_block_ops
+from pagedserve.worker.kv_offload import block_nbytes
 from pagedserve.worker.prompt_logprobs import compute_prompt_logprobs, prompt_span
 
 
@@ -116,7 +117,9 @@ class ModelRunner:
         self.grammar = plan.grammar  # for every execute_model of this plan (the core may run it in parts)
         apply_block_ops(plan.block_ops, self.kv_caches, self.host_caches)
         if self.drafter is not None:
-            apply_block_ops(plan.block_ops, self.drafter.kv_caches, self.drafter.host_caches)
+            # A block loaded from disk holds the draft's K/V after the target's.
+            apply_block_ops(plan.block_ops, self.drafter.kv_caches, self.drafter.host_caches,
+                            block_nbytes(self.kv_caches) if plan.block_ops.load else 0)
             for req_id in plan.finished_req_ids:
                 self.draft_probs.pop(req_id, None)
                 self.drafter.forget(req_id)

@@ -9,12 +9,13 @@ rank 0 samples and proposes drafts. The executor drives it in this order:
     initialize(kv_config)        device, host (swap) and draft caches; the model runner and the proposer
     apply_plan(plan)             the plan's diff into the input batch, block copies and swaps (target and draft)
     execute_model(scheduled)     forward pass, sampling, and every request's drafts for the next step
-    read_blocks(block_ids)       the K/V bytes of blocks just cached, for the disk tier (--kv-offload-dir)
+    disk_block_reader()          reads blocks just cached for the disk tier (--kv-offload-dir)
 """
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import torch
@@ -30,7 +31,7 @@ from pagedserve.spec_decode.proposer import make_proposer
 from pagedserve.kv_spec import KVCacheSpec, kv_cache_spec
 from pagedserve.worker.gemm_caches import bound_gemm_caches
 from pagedserve.worker.kv_cache import allocate, allocate_host
-from pagedserve.worker.kv_offload import read_blocks
+from pagedserve.worker.kv_offload import BlockViews, read_block_groups
 from pagedserve.worker.memory import DraftKV, kv_budget_bytes
 from pagedserve.worker.model_runner import ModelRunner
 
@@ -123,9 +124,15 @@ class Worker:
             for req_id in plan.finished_req_ids:
                 self.acceptance.forget(req_id)
 
-    def read_blocks(self, block_ids: list[int]) -> list[memoryview]:
-        # Blocks' K/V as bytes, for the disk tier (worker/kv_offload.py).
-        return read_blocks(self.model_runner.kv_caches, block_ids)
+    def disk_block_reader(self):
+        # For the disk tier (worker/kv_offload.py): (block ids -> each block's K/V in file order, whether those
+        # are views of the pool that the KV manager must pin until written).
+        # With a draft model its mirrored block follows the target's.
+        runner = self.model_runner
+        groups = [runner.kv_caches] + ([runner.drafter.kv_caches] if runner.drafter is not None else [])
+        if self.device.type == "cpu":
+            return BlockViews([cache for group in groups for cache in group]), True
+        return partial(read_block_groups, groups), False
 
     def execute_model(self, num_scheduled_tokens: dict[str, int], propose_drafts: bool = True) -> ModelRunnerOutput:
         # propose_drafts is off in steps whose batch is above disable_by_batch_size: drafts would cost more
