@@ -2,11 +2,16 @@
 from __future__ import annotations
 
 import asyncio
+import http.client
+import json
+import re
 import threading
+import time
 from types import SimpleNamespace
 
 import httpx
 import pytest
+import uvicorn
 
 from pagedserve.cli import build_parser
 from pagedserve.engine.async_engine import AsyncLLMEngine
@@ -93,6 +98,41 @@ def test_unhandled_error_is_an_openai_500(fake):
     [resp] = call(async_engine, [("POST", "/v1/completions", {"json": {"prompt": "crash", "max_tokens": 2}})])
     err = assert_openai_error(resp, 500)
     assert err["type"] == "server_error" and "RuntimeError" in err["message"]
+
+
+def test_the_connection_serves_on_after_a_500(fake):
+    # uvicorn closed the connection when Starlette re-raised a bug's error after its 500: the client's next
+    # request on the keep-alive connection was reset. One socket: the 500, then a completion, then /metrics.
+    _, async_engine = fake
+    server = uvicorn.Server(uvicorn.Config(build_app(async_engine, SimpleNamespace()), host="127.0.0.1", port=0,
+                                           log_level="critical", lifespan="off"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            assert thread.is_alive()
+            time.sleep(0.01)
+        port = server.servers[0].sockets[0].getsockname()[1]
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        answers = []
+        for method, path, body in (("POST", "/v1/completions", {"prompt": "crash", "max_tokens": 2}),
+                                   ("POST", "/v1/completions", {"prompt": "t1 t2", "max_tokens": 2}),
+                                   ("GET", "/metrics", None)):
+            conn.request(method, path, body=None if body is None else json.dumps(body),
+                         headers={"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            answers.append((resp.status, resp.read().decode()))
+            if len(answers) == 1:
+                first_socket = conn.sock
+        assert conn.sock is first_socket  # never reopened
+        conn.close()
+    finally:
+        server.should_exit = True
+        thread.join(10)
+    assert [status for status, _ in answers] == [500, 200, 200]
+    assert "RuntimeError" in json.loads(answers[0][1])["error"]["message"]
+    # The 500 passed the response counter (it was answered outside it before).
+    assert re.search(r'http_requests_total\{handler="/v1/completions",method="POST",status="5xx"\} 1\.0', answers[2][1])
 
 
 def test_a_stream_that_breaks_still_ends_with_an_error_event_and_done():

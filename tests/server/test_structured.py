@@ -228,6 +228,7 @@ def _nested(depth: int) -> dict:
      "nested more than 100"),
     # Constraints that no token could satisfy.
     ({"structured_outputs": {"regex": "[^\\s\\S]"}}, "matches no text"),
+    ({"structured_outputs": {"grammar": "root ::= [^\\x00-\\U0010FFFF]"}}, "matches no text"),  # empty language
     ({"structured_outputs": {"choice": ["yes", "no"]}, "min_tokens": 4}, "min_tokens"),
     ({"structured_outputs": {"choice": ["yes", "no"]}, "allowed_token_ids": [28]}, "allowed_token_ids"),
     # ... or none from some point on: four digits, then only the end, which min_tokens forbids.

@@ -17,14 +17,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pagedserve import __version__
 from pagedserve.engine.async_engine import AsyncLLMEngine
 from pagedserve.engine.processor import ChatPrompt
-from pagedserve.messages import EngineClosedError, EngineError, describe_error
+from pagedserve.messages import EngineClosedError, EngineError
 from pagedserve.metrics.prometheus import PrometheusMetrics
 from pagedserve.server.limits import (HEALTH_MAX_STALL_S, MAX_REQUEST_BODY_SIZE, MAX_SAMPLES_PER_REQUEST,
                                      MAX_SEQUENCES_PER_REQUEST, SHUTDOWN_TIMEOUT_S)
 from pagedserve.server.context import RequestLimits, ServerContext
 from pagedserve.server.debug import register_debug_routes
 from pagedserve.server.errors import OpenAIError
-from pagedserve.server.middleware import APIKeyMiddleware, BodySizeLimitMiddleware, HTTPMetricsMiddleware
+from pagedserve.server.middleware import (APIKeyMiddleware, BodySizeLimitMiddleware, HTTPMetricsMiddleware,
+                                          UnhandledErrorMiddleware, internal_error)
 from pagedserve.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                         DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
                                         TokenizeResponse)
@@ -89,9 +90,9 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _unhandled(_: Request, exc: Exception) -> Response:
-        # Starlette's last resort: without this a bug answers a plain-text 500 that OpenAI clients cannot parse.
-        # (Starlette still re-raises afterwards, so the traceback reaches the log.)
-        return OpenAIError(f"internal server error: {describe_error(exc)}", 500).response()
+        # Starlette's last resort, for an error in a middleware outside UnhandledErrorMiddleware: without this a
+        # bug answers a plain-text 500 that OpenAI clients cannot parse. (Starlette re-raises afterwards.)
+        return internal_error(exc).response()
 
 
 def build_app(engine: AsyncLLMEngine, args: Any) -> FastAPI:
@@ -107,6 +108,7 @@ def build_app(engine: AsyncLLMEngine, args: Any) -> FastAPI:
     app.state.ctx = ctx
     app.state.metrics = metrics
     _install_error_handlers(app)
+    app.add_middleware(UnhandledErrorMiddleware)  # added first: innermost, inside the counter and the limits
     max_stall_s = getattr(args, "health_max_stall_s", HEALTH_MAX_STALL_S)
     # Added last is outermost: the key is checked before any body byte is read.
     app.add_middleware(BodySizeLimitMiddleware,

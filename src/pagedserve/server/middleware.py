@@ -1,4 +1,4 @@
-"""Plain ASGI middlewares: API keys, the request body limit and the HTTP response counter.
+"""Plain ASGI middlewares: API keys, the request body limit, the HTTP response counter, and bugs' 500s.
 
 Plain ASGI (not BaseHTTPMiddleware) so they neither buffer streams nor get in the way of disconnects, and they
 run before FastAPI parses the body.
@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import time
 from http.cookies import CookieError, SimpleCookie
 from typing import Callable
@@ -16,7 +17,10 @@ from starlette.exceptions import HTTPException
 from starlette.responses import RedirectResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from pagedserve.messages import describe_error
 from pagedserve.server.errors import OpenAIError
+
+logger = logging.getLogger(__name__)
 
 # Probes and scrapers carry no key; the dashboard's login form is how a browser gets one in.
 DASHBOARD_LOGIN_PATH = "/dashboard/login"
@@ -137,3 +141,38 @@ class HTTPMetricsMiddleware:
             await send(message)
 
         await self.app(scope, receive, counted_send)
+
+
+def internal_error(exc: BaseException) -> OpenAIError:
+    return OpenAIError(f"internal server error: {describe_error(exc)}", 500)
+
+
+class UnhandledErrorMiddleware:
+    """A bug's OpenAI 500, answered inside the other middlewares (so it is counted) and not re-raised.
+
+    Starlette's outermost error middleware answers an unhandled error and then re-raises it, and uvicorn closes
+    the connection when an error escapes after the response started: a client's next request on that keep-alive
+    connection was reset. Here the traceback is logged and the connection serves on. A response already under
+    way (a stream: those end in-band with an error event) cannot get a second one, so its error goes on up."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracked_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked_send)
+        except Exception as exc:
+            if started:
+                raise
+            logger.exception("unhandled error in %s %s", scope["method"], scope["path"])
+            await internal_error(exc).response()(scope, receive, send)
