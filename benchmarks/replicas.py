@@ -34,6 +34,7 @@ from serving import Server, free_port  # noqa: E402
 from pagedserve.bench.client import Endpoint, send_request  # noqa: E402
 from pagedserve.bench.dataset import WORDS, BenchRequest  # noqa: E402
 from pagedserve.bench.metrics import percentiles  # noqa: E402
+from pagedserve.bench.runner import make_client  # noqa: E402
 
 ROUTER = "/work/tools/router-venv/bin/vllm-router"
 
@@ -81,8 +82,7 @@ async def run_session(client, ep: Endpoint, t0: float, start_s: float, system: s
 async def drive(url: str, model: str, systems, sessions, args) -> tuple[list, float]:
     ep = Endpoint(f"{url}/v1", model, "router")
     results: list = []
-    timeout = httpx.Timeout(args.timeout_s, connect=10.0, pool=None)
-    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=None), timeout=timeout) as client:
+    async with make_client(None, args.timeout_s) as client:
         t0 = time.perf_counter()
         await asyncio.gather(*(run_session(client, ep, t0, s, systems[store], qs, args, results)
                                for s, store, qs in sessions))

@@ -20,11 +20,10 @@ import statistics
 import sys
 import time
 
-import httpx
-
 from common import machine_info, write_json
 from pagedserve.bench.client import Endpoint, list_models, send_request
 from pagedserve.bench.dataset import BenchRequest
+from pagedserve.bench.runner import make_client
 from serving import Server, free_port
 
 PROMPT = "Visitors of store 12 on 2026-03-04, per hour, as JSON:"
@@ -58,7 +57,7 @@ def cpu_seconds(pid: int) -> float:
 
 
 async def run(url: str, schemas: list[dict | None], max_tokens: int, pid: int) -> dict:
-    async with httpx.AsyncClient(timeout=900) as client:
+    async with make_client(None, 900.0) as client:
         base = f"{url}/v1"
         ep = Endpoint(base, (await list_models(client, base, None))[0], "pagedserve")
         req = BenchRequest(PROMPT, len(PROMPT.split()), max_tokens)

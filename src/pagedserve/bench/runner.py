@@ -19,7 +19,7 @@ import random
 import time
 from dataclasses import dataclass
 
-import httpx
+import aiohttp
 
 from pagedserve.bench.client import Endpoint, RequestResult, send_request
 from pagedserve.bench.dataset import BenchRequest
@@ -37,12 +37,14 @@ class RunResult:
     interrupted: bool
 
 
-def make_client(concurrency: int | None, timeout_s: float) -> httpx.AsyncClient:
+def make_client(concurrency: int | None, timeout_s: float) -> aiohttp.ClientSession:
+    """The HTTP session of a run; timeout_s bounds each read (a stream may take longer in all). Call it
+    inside the event loop that uses it. Proxies from the environment are honoured (trust_env)."""
     # No pool limit unless a concurrency cap bounds the connections anyway: a pool that queued requests
     # would add client-side waiting to the measured TTFT.
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    timeout = httpx.Timeout(timeout_s, connect=10.0, pool=None)
-    return httpx.AsyncClient(limits=limits, timeout=timeout)
+    connector = aiohttp.TCPConnector(limit=concurrency or 0)
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=10.0, sock_read=timeout_s)
+    return aiohttp.ClientSession(connector=connector, timeout=timeout, trust_env=True)
 
 
 async def _sleep_unless(stop: asyncio.Event, seconds: float) -> None:
@@ -61,12 +63,12 @@ async def run_load(ep: Endpoint, requests: list[BenchRequest], sampling: dict, r
     results: list[RequestResult] = []
     num_sent = 0  # requests past the concurrency gate; the rest were never sent when a stop cancels them
 
-    async def send(client: httpx.AsyncClient, req: BenchRequest) -> RequestResult:
+    async def send(client: aiohttp.ClientSession, req: BenchRequest) -> RequestResult:
         nonlocal num_sent
         num_sent += 1
         return await send_request(client, ep, req, sampling)
 
-    async def one(client: httpx.AsyncClient, req: BenchRequest) -> None:
+    async def one(client: aiohttp.ClientSession, req: BenchRequest) -> None:
         try:
             if sem is None:
                 r = await send(client, req)
