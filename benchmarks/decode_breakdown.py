@@ -1,7 +1,14 @@
-"""Where one single-stream decode step of a GGUF goes: per-step milliseconds by part, against the weight floor.
+"""Where one step of a GGUF goes: per-step milliseconds by part, against the weight floor.
 
     python benchmarks/decode_breakdown.py --model /work/models/llama-3.2-1b-Q4_K_M.gguf --order 1,0 \
         --out benchmarks/results/decode_breakdown_1b_q4km.json
+    python benchmarks/decode_breakdown.py --model ... --order 1 --step prefill   # one 512-token prompt's step
+    python benchmarks/decode_breakdown.py --model ... --order 1 --step mixed     # 16 decoding + a 512 prefill
+
+--step decode (default, below); --step prefill and --step mixed (benchmarks/step_breakdown.py): one engine
+step of --prefill-tokens prompt tokens, alone or beside --decoding requests that each decode one token (the
+16-stream workload's steady state under the adaptive budget's 512-token floor), timed in turns with and
+without the profiler, GEMMs named by their layer (qkv, o, gate_up, down, lm_head).
 
 Each PAGEDSERVE_GGUF_INT8 value of --order runs in its own process (the dispatcher reads it once), in turns:
 one stream, a 32-token prompt, --tokens greedy tokens, first untimed, then timed without a profiler (TPOT: wall
@@ -104,9 +111,17 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--order", default="1,0", help="PAGEDSERVE_GGUF_INT8 values, run in this order")
+    p.add_argument("--step", choices=("decode", "prefill", "mixed"), default="decode")
+    p.add_argument("--prefill-tokens", type=int, default=512)
+    p.add_argument("--decoding", type=int, default=16, help="--step mixed: requests decoding beside the prefill")
+    p.add_argument("--repeats", type=int, default=3, help="--step prefill/mixed: timed steps per process")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out")
     args = p.parse_args()
+    if args.step != "decode":
+        from step_breakdown import main as step_main
+
+        return step_main(args)
     if args.child:
         print(json.dumps(run_one(args.model, args.tokens, args.threads)))
         return
