@@ -116,6 +116,17 @@ def test_draft_models_kv_is_stored_and_loaded_with_the_block(model_dir, draft_di
     assert third.llm_engine.core.kv.disk.stats.num_loaded_blocks == 0
 
 
+def test_warmup_is_cleared_once_its_blocks_are_written(model_dir, tmp_path):
+    # The server's warm-up ends with clear_warmup: blocks the writer still reads from the pool are pinned.
+    llm = engine(model_dir, tmp_path)
+    core = llm.llm_engine.core
+    # 90 + 7 tokens: the last step computes token 96, the end of the sixth block, pinned as generate returns.
+    llm.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True), use_tqdm=False)
+    core.clear_warmup()
+    assert core.kv.pool.num_free_blocks == core.kv.num_blocks and core.kv.pool.cached == {}
+    assert core.kv.disk.stats.num_stored_blocks == NUM_PROMPT_BLOCKS + 1
+
+
 def scrape(llm: LLM) -> str:
     # What /metrics exports from this engine's counters (the collector the server registers).
     from prometheus_client import CollectorRegistry, generate_latest

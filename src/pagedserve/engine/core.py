@@ -156,6 +156,9 @@ class EngineCore:
     def clear_warmup(self) -> None:
         # After the start-up warm-up (engine/warmup.py), which has finished: its blocks leave the prefix cache
         # and its requests and tokens the counters, so a server starts as if nothing had run.
+        if self.kv.disk is not None:  # the writer reads blocks from the pool: pinned until it is done
+            self.kv.disk.flush()
+            self.kv.release_disk_pins()
         if self.scheduler.has_unfinished() or not self.kv.pool.reset_prefix_cache():
             raise RuntimeError("warm-up requests are still running")
         self.kv.prefix_stats = PrefixCacheStats()
