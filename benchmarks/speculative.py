@@ -34,6 +34,7 @@ import time
 from common import machine_info, write_json
 
 from pagedserve import LLM, SamplingParams
+from pagedserve.spec_decode.draft_model import DraftModel
 
 CITIES = ["Berlin", "Madrid", "Rome", "Paris", "Vienna", "Prague", "Warsaw", "Lisbon", "Dublin", "Oslo",
           "Athens", "Helsinki", "Budapest", "Brussels", "Zurich", "Munich", "Milan", "Lyon", "Porto", "Krakow"]
@@ -82,8 +83,8 @@ def configuration(llm: LLM) -> dict:
     # What the engine resolved (dtype "auto", quantization None), so the JSON says what each row ran.
     config = llm.llm_engine.core.config
     out = {"target": {"dtype": config.model.dtype, "quantization": config.model.quantization}}
-    drafter = llm.llm_engine.core.runner.drafter
-    if drafter is not None:
+    drafter = llm.llm_engine.core.executor.proposer
+    if isinstance(drafter, DraftModel):
         out["draft"] = {"dtype": str(drafter.dtype).removeprefix("torch."), "quantization": drafter.quantization}
     return out
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import os
+import shutil
 import subprocess
 import sys
 
@@ -13,33 +14,41 @@ SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 
 PKG = os.path.join(SRC, "pagedserve")
 
 
-def _modules() -> dict[str, str]:
+def _modules(src: str = SRC) -> dict[str, str]:
     mods = {}
-    for d, _, files in os.walk(PKG):
+    for d, _, files in os.walk(os.path.join(src, "pagedserve")):
         for f in files:
             if f.endswith(".py"):
-                name = os.path.relpath(os.path.join(d, f), SRC)[:-3].replace(os.sep, ".")
+                name = os.path.relpath(os.path.join(d, f), src)[:-3].replace(os.sep, ".")
                 mods[name.removesuffix(".__init__")] = os.path.join(d, f)
     return mods
 
 
-MODULES = _modules()
-
-
-def _imports(path: str) -> set[str]:
-    # The pagedserve modules a file imports anywhere in it ("from pagedserve.x import y" is pagedserve.x.y when
-    # that is a module, else pagedserve.x).
+def _imports(module: str, path: str, modules: dict[str, str]) -> set[str]:
+    # The pagedserve modules a file imports anywhere in it, function bodies included ("from pagedserve.x
+    # import y" is pagedserve.x.y when that is a module, else pagedserve.x; relative imports resolved).
+    package = module if path.endswith("__init__.py") else module.rpartition(".")[0]
     out = set()
     for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
         if isinstance(node, ast.Import):
             out |= {a.name for a in node.names if a.name.startswith("pagedserve")}
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("pagedserve"):
-            out |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in MODULES else node.module
-                    for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                base = f"{parent}.{base}" if base else parent
+            if base.startswith("pagedserve"):
+                out |= {f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names}
     return out
 
 
-GRAPH = {m: {i for i in _imports(p) if i in MODULES and i != m} for m, p in MODULES.items()}
+def _graph(src: str = SRC) -> dict[str, set[str]]:
+    modules = _modules(src)
+    return {m: {i for i in _imports(m, p, modules) if i in modules and i != m} for m, p in modules.items()}
+
+
+MODULES = _modules()
+GRAPH = _graph()
 
 
 def _under(module: str, package: str) -> bool:
@@ -57,6 +66,10 @@ def _under(module: str, package: str) -> bool:
     ("pagedserve.sample", ("pagedserve.engine", "pagedserve.server", "pagedserve.structured_output")),
     ("pagedserve.model", ("pagedserve.engine", "pagedserve.server", "pagedserve.worker")),
     ("pagedserve.structured_output", ("pagedserve.engine", "pagedserve.server")),
+    # The model runner executes plans and verifies their drafts; proposing the next ones is the worker's
+    # (spec_decode/proposer.py: n-gram lookup and the draft model behind one interface).
+    ("pagedserve.worker.model_runner", ("pagedserve.spec_decode.proposer", "pagedserve.spec_decode.draft_model",
+                                        "pagedserve.spec_decode.ngram_proposer")),
 ])
 def test_no_upward_imports(package: str, forbidden: tuple[str, ...]) -> None:
     bad = sorted(f"{m} -> {i}" for m, deps in GRAPH.items() if _under(m, package)
@@ -64,8 +77,8 @@ def test_no_upward_imports(package: str, forbidden: tuple[str, ...]) -> None:
     assert not bad
 
 
-def test_no_import_cycles() -> None:
-    # Tarjan's strongly connected components over every import statement (function-level ones too).
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    # Tarjan's strongly connected components: every component of more than one module is a cycle.
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
@@ -74,7 +87,7 @@ def test_no_import_cycles() -> None:
     def visit(v: str) -> None:
         index[v] = low[v] = len(index)
         stack.append(v)
-        for w in GRAPH[v]:
+        for w in graph[v]:
             if w not in index:
                 visit(w)
                 low[v] = min(low[v], low[w])
@@ -87,10 +100,28 @@ def test_no_import_cycles() -> None:
             if len(comp) > 1:
                 cycles.append(sorted(comp))
 
-    for v in sorted(GRAPH):
+    for v in sorted(graph):
         if v not in index:
             visit(v)
-    assert not cycles
+    return cycles
+
+
+def test_no_import_cycles() -> None:
+    assert not _cycles(GRAPH)
+
+
+@pytest.mark.parametrize("planted", [
+    "    from pagedserve.engine.core import EngineCore  # noqa\n",     # absolute, inside a function
+    "    from ..engine import core  # noqa\n",                          # relative, inside a function
+])
+def test_a_function_level_cycle_is_found(tmp_path, planted: str) -> None:
+    # The check above on a copy of the package with one lazy import planted in core/request.py:
+    # core.request -> engine.core -> core.scheduler -> core.request.
+    shutil.copytree(PKG, tmp_path / "pagedserve", ignore=shutil.ignore_patterns("csrc", "static", "*.jinja"))
+    target = tmp_path / "pagedserve" / "core" / "request.py"
+    target.write_text(target.read_text() + f"\n\ndef _planted():\n{planted}")
+    cycles = _cycles(_graph(str(tmp_path)))
+    assert any({"pagedserve.core.request", "pagedserve.engine.core"} <= set(c) for c in cycles), cycles
 
 
 def _loaded_by(*modules: str) -> set[str]:

@@ -56,7 +56,7 @@ def prompt_kv(llm: LLM, req_blocks: list[int]) -> list[bytes]:
 
 
 def draft_kv(llm: LLM, req_blocks: list[int]) -> list[bytes]:
-    return [bytes(b) for b in read_blocks(llm.llm_engine.core.runner.drafter.kv_caches, req_blocks)]
+    return [bytes(b) for b in read_blocks(llm.llm_engine.core.executor.proposer.kv_caches, req_blocks)]
 
 
 def prompt_hashes(llm: LLM) -> list[bytes]:

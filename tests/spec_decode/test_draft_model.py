@@ -69,7 +69,7 @@ def test_draft_samples_with_the_requests_top_k_and_top_p(tiny):
     # always even when top-k / top-p cut the target's distribution; a full-softmax q would mostly be rejected.
     llm = LLM(model=tiny["target"], kv_cache_memory_bytes=1 << 20, max_num_seqs=4, block_size=4,
               speculative_config=draft_config(tiny["target"], k=3))
-    drafter = llm.llm_engine.core.runner.drafter
+    drafter = llm.llm_engine.core.executor.proposer
     seen = []
     real_step = drafter.step
 
@@ -107,17 +107,22 @@ def test_draft_runs_nothing_above_the_cut_off_and_catches_up_after(tiny):
     kw = dict(model=tiny["target"], kv_cache_memory_bytes=1 << 20, max_num_seqs=8, block_size=4)
     off = LLM(**kw).generate(prompts, params, use_tqdm=False)
     llm = LLM(**kw, speculative_config={**draft_config(tiny["target"], k=3), "disable_by_batch_size": 2})
-    runner = llm.llm_engine.core.runner
-    real_forward, flags = runner.drafter.model.forward, []
+    drafter = llm.llm_engine.core.executor.proposer
+    real_propose, real_forward, drafting, flags = drafter.propose, drafter.model.forward, [], []
+
+    def propose(step):  # the worker calls its proposer after every step, drafting or not
+        drafting.append(step.drafting)
+        return real_propose(step)
 
     def forward(*args, **kwargs):
-        flags.append(runner.propose_drafts)
+        flags.append(drafting[-1])
         return real_forward(*args, **kwargs)
 
-    runner.drafter.model.forward = forward
+    drafter.propose, drafter.model.forward = propose, forward
     on = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in on] == [o.outputs[0].token_ids for o in off]
     assert flags and all(flags)  # no draft forward in a step above the cut-off
+    assert not all(drafting)  # there were such steps
     spec = llm.llm_engine.core.stats.spec
     assert spec.num_draft_tokens >= 2 * 3 * 3 and spec.acceptance_rate > 0.9
     assert llm.llm_engine.core.kv.pool.num_free_blocks == llm.llm_engine.core.num_kv_blocks

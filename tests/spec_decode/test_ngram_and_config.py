@@ -15,11 +15,11 @@ def test_longest_suffix_match_drafts_what_followed_it():
     #          0  1  2  3  4  5  6  7  8  9
     tokens = [5, 6, 7, 8, 9, 1, 6, 7, 2, 6, 7]
     # Suffix [6, 7] (3-gram [2, 6, 7] never occurred before): latest earlier hit at 6 -> drafts 2, 6, 7.
-    assert p.propose(tokens) == [2, 6, 7]
-    assert p.propose(tokens, max_num_tokens=1) == [2]
-    assert p.propose([1, 2, 3]) == []                  # no earlier occurrence of any suffix
-    assert p.propose([4]) == [] and p.propose([]) == []
-    assert NgramProposer(2, 2, 2).propose([1, 2, 3, 9, 3]) == []  # 1-grams are below prompt_lookup_min
+    assert p.lookup(tokens) == [2, 6, 7]
+    assert p.lookup(tokens, max_num_tokens=1) == [2]
+    assert p.lookup([1, 2, 3]) == []                  # no earlier occurrence of any suffix
+    assert p.lookup([4]) == [] and p.lookup([]) == []
+    assert NgramProposer(2, 2, 2).lookup([1, 2, 3, 9, 3]) == []  # 1-grams are below prompt_lookup_min
 
 
 def test_speculative_config_from_json_and_the_cli():

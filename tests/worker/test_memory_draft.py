@@ -38,9 +38,9 @@ def test_engine_budget_includes_the_draft_kv(tiny):  # noqa: F811
     # Target (2 layers) float32: 2 x 2 x 4 x 1 x 16 x 4 = 1024 B a block; draft (1 layer) bfloat16:
     # 2 x 1 x 4 x 1 x 16 x 2 = 256 B; scratch: 8 seqs x (ceil(4 / 4) + 1) = 16 draft blocks.
     assert core.num_kv_blocks == (budget - 16 * 256) // (1024 + 256) == 816
-    caches = core.runner.kv_caches + core.runner.drafter.kv_caches
+    caches = core.runner.kv_caches + core.executor.proposer.kv_caches
     assert sum(c.numel() * c.element_size() for c in caches) <= budget
-    assert core.runner.drafter.kv_caches[0].shape[1] == 816 + 16
+    assert core.executor.proposer.kv_caches[0].shape[1] == 816 + 16
 
 
 def test_pagedserve_plan_counts_the_draft_like_the_engine(tiny):  # noqa: F811

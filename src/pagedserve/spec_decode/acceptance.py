@@ -26,7 +26,7 @@ class AcceptanceTracker:
         # Per request still drafting: (drafted, accepted) of each recent step with drafts, and their sums.
         self._steps: dict[str, deque[tuple[int, int]]] = {}
         self._sums: dict[str, list[int]] = {}
-        # Requests switched off; the model runner reads this set (undrafted_req_ids) for draft-model proposals.
+        # Requests switched off; every proposer skips them (spec_decode/proposer.py, SampledStep.undrafted).
         self.disabled: set[str] = set()
 
     @classmethod

@@ -36,12 +36,14 @@ import torch
 from pagedserve.attention.kv_quant import storage_dtype
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.config import SpeculativeConfig
+from pagedserve.core.scheduler_output import SchedulerOutput
 from pagedserve.kv_spec import KVCacheSpec
 from pagedserve.model.loader import LoadedModel, load_model
 from pagedserve.model.weight_quant import apply_quantization, resolve_quantization
 from pagedserve.sample.sampler import SamplingBatch, draw, random_probs
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.worker.kv_cache import allocate
+from pagedserve.spec_decode.proposer import Proposer, SampledStep
+from pagedserve.worker.kv_cache import allocate, apply_block_ops
 
 
 def draft_dtype(spec: SpeculativeConfig, target_dtype: torch.dtype) -> torch.dtype:
@@ -93,7 +95,7 @@ class _Proposal:
     slots: np.ndarray
 
 
-class DraftModel:
+class DraftModel(Proposer):
     def __init__(self, loaded: LoadedModel, k: int, num_blocks: int, kv_spec: KVCacheSpec, max_num_reqs: int,
                  max_model_len: int, device: torch.device, prefault: bool = True) -> None:
         hf = loaded.hf_config
@@ -110,13 +112,47 @@ class DraftModel:
         # per row cover it wherever the row's last block ends.
         self.num_scratch = num_scratch_blocks(k, block_size)
         self.kv_caches = allocate(kv_spec, num_blocks + max_num_reqs * self.num_scratch, device, prefault)
-        self.host_caches: list[torch.Tensor] = []
+        self.host_caches: list[torch.Tensor] = []  # the swap pool's draft half, set by the worker
+        self.load_offset = 0  # where the draft's K/V starts in a block loaded from disk (past the target's)
         self._proposals: dict[str, _Proposal] = {}
         self._valid: dict[str, int] = {}  # per request: the draft's K/V is valid below this position
+        self.draft_probs: dict[str, torch.Tensor | None] = {}  # the proposed drafts' q rows ([k, V] or None)
 
-    def forget(self, req_id: str) -> None:
-        self._proposals.pop(req_id, None)
-        self._valid.pop(req_id, None)
+    def apply_plan(self, plan: SchedulerOutput) -> None:
+        # The draft's pool mirrors the target's block ids: the same copies, swaps and disk loads apply.
+        apply_block_ops(plan.block_ops, self.kv_caches, self.host_caches, self.load_offset)
+        for req_id in plan.finished_req_ids:
+            self.draft_probs.pop(req_id, None)
+            self._proposals.pop(req_id, None)
+            self._valid.pop(req_id, None)
+
+    def propose(self, step: SampledStep) -> dict[str, list[int]]:
+        # Catches up on the step's verified tokens and drafts after each sampled token. A row's next token
+        # sits at seq_len - drafts + accepted; rows too close to max_model_len only catch up; while drafting
+        # is off the draft runs nothing and lags.
+        batch, out = step.batch, step.out
+        sampled = {r: j for j, r in enumerate(out.req_ids)}
+        rows = []
+        for req_id, num_tokens in step.num_scheduled_tokens.items():
+            state = batch.requests[req_id]
+            step_start = int(batch.num_computed_tokens[state.row])
+            verified = step_start + num_tokens
+            start = self.catch_up_start(req_id, step_start)
+            row = DraftRow(req_id, batch.block_table[state.row, :batch.num_blocks[state.row]], start, verified,
+                           batch.token_ids[state.row, start:verified])
+            j = sampled.get(req_id)
+            if j is not None:
+                if out.spec is not None:
+                    row.verified += len(out.spec.accepted_token_ids[j]) - out.spec.num_draft_tokens[j]
+                    row.token_ids = row.token_ids[:row.verified - start]
+                if step.drafting and req_id not in step.undrafted and row.verified + self.k <= self.max_model_len - 1:
+                    row.bonus = out.sampled_token_ids[j]
+                    row.params = state.params
+                    row.generator = step.generator if state.generator is None else state.generator
+            rows.append(row)
+        draft_ids, q = self.step(rows)
+        self.draft_probs.update(q)
+        return draft_ids
 
     def catch_up_start(self, req_id: str, start: int) -> int:
         # The first position this step's draft may need: where the draft stopped if it lagged, else the

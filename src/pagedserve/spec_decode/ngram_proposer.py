@@ -10,14 +10,22 @@ from __future__ import annotations
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
+from pagedserve.spec_decode.proposer import Proposer, SampledStep
 
-class NgramProposer:
+
+class NgramProposer(Proposer):
     def __init__(self, num_speculative_tokens: int, prompt_lookup_min: int, prompt_lookup_max: int) -> None:
         self.k = num_speculative_tokens
         self.min_n = prompt_lookup_min
         self.max_n = prompt_lookup_max
 
-    def propose(self, token_ids: list[int] | np.ndarray, max_num_tokens: int | None = None) -> list[int]:
+    def propose(self, step: SampledStep) -> dict[str, list[int]]:
+        if not step.drafting:
+            return {}
+        return {req_id: self.lookup(step.tokens_after(j)) for j, req_id in enumerate(step.out.req_ids)
+                if req_id not in step.undrafted}
+
+    def lookup(self, token_ids: list[int] | np.ndarray, max_num_tokens: int | None = None) -> list[int]:
         k = self.k if max_num_tokens is None else min(self.k, max_num_tokens)
         tokens = np.asarray(token_ids, dtype=np.int64)
         size = len(tokens)

@@ -18,6 +18,7 @@ from pagedserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagedserve.distributed.parallel_state import TensorParallelGroup
 from pagedserve.kv_spec import KVCacheSpec
 from pagedserve.model.loader import LoadedModel
+from pagedserve.spec_decode.proposer import Proposer
 from pagedserve.worker.memory import DraftKV
 from pagedserve.worker.model_runner import ModelRunner
 from pagedserve.worker.worker import KVCacheConfig, Worker
@@ -45,6 +46,11 @@ class Executor:
     def model_runner(self) -> ModelRunner:
         # Rank 0's runner, for tests and benchmarks that inspect the input batch and the caches.
         return self.worker.model_runner
+
+    @property
+    def proposer(self) -> Proposer | None:
+        # Rank 0's drafter (n-gram or draft model), for tests and benchmarks.
+        return self.worker.proposer
 
     def kv_cache_spec(self) -> KVCacheSpec:
         return self.worker.kv_cache_spec()

@@ -14,11 +14,9 @@ from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.core.scheduler_output import GrammarOutput, ModelRunnerOutput, SchedulerOutput, SpecDecodeOutput
 from pagedserve.sample.grammar_bitmask import apply_grammar_bitmask
 from pagedserve.sample.sampler import Sampler, SamplingBatch, SamplingRow, make_generator
-from pagedserve.spec_decode.draft_model import DraftModel, DraftRow
 from pagedserve.spec_decode.rejection_sampler import rejection_sample
 from pagedserve.worker.input_batch import InputBatch
 from pagedserve.worker.kv_cache import apply_block_ops
-from pagedserve.worker.kv_offload import block_nbytes
 from pagedserve.worker.prompt_logprobs import compute_prompt_logprobs, prompt_span
 
 
@@ -55,15 +53,6 @@ class ModelRunner:
         self.generator = make_generator(seed, device)
         # The current plan's token bitmask (structured outputs): the logits of rows under a grammar are masked.
         self.grammar: GrammarOutput | None = None
-        # Draft-model speculation (spec_decode/draft_model.py): set by the engine. propose_drafts is off in
-        # steps whose batch is too large for drafts to pay; the draft still catches up on every step.
-        self.drafter: DraftModel | None = None
-        self.propose_drafts = True
-        # Requests the worker switched off for low acceptance (spec_decode/acceptance.py): the draft only
-        # catches up on them.
-        self.undrafted_req_ids: set[str] = set()
-        # The proposed drafts' q rows, [k, V] per request; None where the step drafted greedily.
-        self.draft_probs: dict[str, torch.Tensor | None] = {}
 
     def _make_generator(self, seed: int) -> torch.Generator:
         return make_generator(seed, self.device)
@@ -116,18 +105,14 @@ class ModelRunner:
         self.input_batch.apply(plan, self._make_generator)
         self.grammar = plan.grammar  # for every execute_model of this plan (the core may run it in parts)
         apply_block_ops(plan.block_ops, self.kv_caches, self.host_caches)
-        if self.drafter is not None:
-            # A block loaded from disk holds the draft's K/V after the target's.
-            apply_block_ops(plan.block_ops, self.drafter.kv_caches, self.drafter.host_caches,
-                            block_nbytes(self.kv_caches) if plan.block_ops.load else 0)
-            for req_id in plan.finished_req_ids:
-                self.draft_probs.pop(req_id, None)
-                self.drafter.forget(req_id)
 
     @torch.inference_mode()
-    def execute_model(self, num_scheduled_tokens: dict[str, int]) -> ModelRunnerOutput:
-        # Runs the scheduled tokens of requests already in the input batch. Running it again for a subset
-        # (the engine core isolating a failing request) recomputes the same K/V into the same slots.
+    def execute_model(self, num_scheduled_tokens: dict[str, int],
+                      draft_probs: dict[str, torch.Tensor | None] | None = None) -> ModelRunnerOutput:
+        # Runs the scheduled tokens of requests already in the input batch and verifies the drafts the plan
+        # carries (draft_probs: the draft model's q rows by request; None: point masses). Running it again for
+        # a subset (the engine core isolating a failing request) recomputes the same K/V into the same slots.
+        # Proposing the next drafts is the worker's (spec_decode/proposer.py).
         if not num_scheduled_tokens:  # finished ids and swap-outs only
             return ModelRunnerOutput([], [])
         step = self.build_metadata(num_scheduled_tokens)
@@ -167,7 +152,7 @@ class ModelRunner:
                 rows.append(SamplingRow(state.params, state.prompt_token_ids, out_ids, gen, state.eos_token_ids))
         prompt_logprobs = compute_prompt_logprobs(self.model, hidden, prompt_spans) if prompt_spans else None
         if not rows:
-            return self._run_drafter(step, ModelRunnerOutput([], [], prompt_logprobs=prompt_logprobs))
+            return ModelRunnerOutput([], [], prompt_logprobs=prompt_logprobs)
         logits = self.model.compute_logits(hidden[torch.tensor(sample_idx, device=hidden.device)])
         if not self.driver:
             return ModelRunnerOutput([], [])
@@ -178,58 +163,27 @@ class ModelRunner:
             apply_grammar_bitmask(logits, row_req_ids, self.grammar)
         batch = SamplingBatch.build(rows, self.vocab_size, logits.device)
         if spec:
-            out = verify_output(req_ids, drafts, logits, batch, prompt_logprobs, self._draft_q(req_ids, drafts))
+            out = verify_output(req_ids, drafts, logits, batch, prompt_logprobs,
+                                self._draft_q(req_ids, drafts, draft_probs))
         else:
             s = self.sampler(logits, batch)
             out = ModelRunnerOutput(req_ids, s.sampled_token_ids, s.logprobs, s.top_logprobs, s.ranks,
                                     prompt_logprobs)
-        return self._run_drafter(step, out)
+        return out
 
-    def _draft_q(self, req_ids: list[str], drafts: list[list[int]]) -> torch.Tensor | None:
+    def _draft_q(self, req_ids: list[str], drafts: list[list[int]],
+                 draft_probs: dict[str, torch.Tensor | None] | None) -> torch.Tensor | None:
         # The draft distributions of the drafts being verified; the scheduler may have cut a request's
         # drafts short, never reordered them, so its first rows are the ones.
-        if self.drafter is None:
+        if draft_probs is None:
             return None
-        q = [(self.draft_probs[r], len(d)) for r, d in zip(req_ids, drafts) if d]
+        q = [(draft_probs[r], len(d)) for r, d in zip(req_ids, drafts) if d]
         if all(rows is None for rows, _ in q):
             return None  # every draft greedy (a greedy request is verified against the argmax only)
         # A greedy request proposed beside random ones has one-hot rows; alone it had none: one-hot them.
         return torch.cat([rows[:n] if rows is not None else
                           torch.nn.functional.one_hot(torch.tensor(d, device=self.device), self.vocab_size).float()
                           for (rows, n), d in zip(q, [d for d in drafts if d])])
-
-    def _run_drafter(self, step: StepInputs, out: ModelRunnerOutput) -> ModelRunnerOutput:
-        # The draft model catches up on the step's verified tokens and drafts after each sampled token
-        # (spec_decode/draft_model.py). Its next token sits at seq_len - drafts + accepted; rows too close
-        # to max_model_len only catch up; while propose_drafts is off the draft runs nothing and lags.
-        if self.drafter is None:
-            return out
-        batch = self.input_batch
-        sampled = {r: j for j, r in enumerate(out.req_ids)}
-        k = self.drafter.k
-        rows = []
-        for i, req_id in enumerate(step.req_ids):
-            state = batch.requests[req_id]
-            verified = int(step.starts[i]) + step.query_lens[i]
-            start = self.drafter.catch_up_start(req_id, int(step.starts[i]))
-            row = DraftRow(req_id, batch.block_table[state.row, :batch.num_blocks[state.row]], start, verified,
-                           batch.token_ids[state.row, start:verified])
-            j = sampled.get(req_id)
-            if j is not None:
-                if out.spec is not None:
-                    row.verified += len(out.spec.accepted_token_ids[j]) - out.spec.num_draft_tokens[j]
-                    row.token_ids = row.token_ids[:row.verified - start]
-                if (self.propose_drafts and req_id not in self.undrafted_req_ids
-                        and row.verified + k <= self.drafter.max_model_len - 1):
-                    row.bonus = out.sampled_token_ids[j]
-                    row.params = state.params
-                    row.generator = self.generator if state.generator is None else state.generator
-            rows.append(row)
-        draft_ids, q = self.drafter.step(rows)
-        if out.req_ids:
-            out.draft_token_ids = draft_ids
-        self.draft_probs.update(q)
-        return out
 
 
 def verify_output(req_ids: list[str], drafts: list[list[int]], logits: torch.Tensor, batch: SamplingBatch,

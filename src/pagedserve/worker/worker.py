@@ -8,7 +8,9 @@ rank 0 samples and proposes drafts. The executor drives it in this order:
     kv_budget_bytes()            what this device offers the KV pools
     initialize(kv_config)        device, host (swap) and draft caches; the model runner and the proposer
     apply_plan(plan)             the plan's diff into the input batch, block copies and swaps (target and draft)
-    execute_model(scheduled)     forward pass, sampling, and every request's drafts for the next step
+    execute_model(scheduled)     forward pass and sampling (the runner), then every request's drafts for the
+                                 next step (the proposer: n-gram lookup or the draft model, one interface in
+                                 spec_decode/proposer.py)
     disk_block_reader()          reads blocks just cached for the disk tier (--kv-offload-dir)
 """
 from __future__ import annotations
@@ -17,7 +19,6 @@ import logging
 from dataclasses import dataclass
 from functools import partial
 
-import numpy as np
 import torch
 
 from pagedserve.config import EngineConfig
@@ -27,11 +28,12 @@ from pagedserve.model.loader import LoadedModel, load_model
 from pagedserve.spec_decode.acceptance import AcceptanceTracker
 from pagedserve.spec_decode.draft_model import (DraftModel, check_same_vocab, draft_dtype, load_draft,
                                                  num_scratch_blocks)
-from pagedserve.spec_decode.proposer import make_proposer
+from pagedserve.spec_decode.ngram_proposer import NgramProposer
+from pagedserve.spec_decode.proposer import Proposer, SampledStep
 from pagedserve.kv_spec import KVCacheSpec, kv_cache_spec
 from pagedserve.worker.gemm_caches import bound_gemm_caches
 from pagedserve.worker.kv_cache import allocate, allocate_host
-from pagedserve.worker.kv_offload import BlockViews, read_block_groups
+from pagedserve.worker.kv_offload import BlockViews, block_nbytes, read_block_groups
 from pagedserve.worker.memory import DraftKV, kv_budget_bytes
 from pagedserve.worker.model_runner import ModelRunner
 
@@ -56,7 +58,7 @@ class Worker:
         self.loaded: LoadedModel | None = None
         self.draft: LoadedModel | None = None
         self.model_runner: ModelRunner | None = None
-        self.proposer = None  # n-gram drafts (spec_decode/ngram_proposer.py); the draft model runs in the runner
+        self.proposer: Proposer | None = None  # rank 0's drafter: NgramProposer or DraftModel
         # Requests whose drafts are rarely accepted stop getting any (disable_by_acceptance_rate); rank 0 only.
         self.acceptance: AcceptanceTracker | None = None
         bound_gemm_caches()  # before the first forward (worker/gemm_caches.py)
@@ -106,20 +108,23 @@ class Worker:
                              self.loaded.hf_config.vocab_size, dev, cfg.scheduler.max_num_seqs, kv.max_model_len,
                              cfg.model.seed, driver=self.is_driver)
         runner.host_caches = allocate_host(spec, kv.num_host_blocks, dev)
+        self.model_runner = runner
+        spec_cfg = cfg.speculative
         if self.draft is not None:
             draft_spec = self.draft_kv_spec()
-            runner.drafter = DraftModel(self.draft, cfg.speculative.num_speculative_tokens, kv.num_blocks,
-                                        draft_spec, cfg.scheduler.max_num_seqs, kv.max_model_len, dev,
-                                        cfg.cache.prefault_kv_cache)
-            runner.drafter.host_caches = allocate_host(draft_spec, kv.num_host_blocks, dev)
-        self.proposer = make_proposer(cfg.speculative) if self.is_driver else None
-        self.acceptance = AcceptanceTracker.from_config(cfg.speculative) if self.is_driver else None
-        if self.acceptance is not None:
-            runner.undrafted_req_ids = self.acceptance.disabled  # the same set: the draft model skips them
-        self.model_runner = runner
+            self.proposer = DraftModel(self.draft, spec_cfg.num_speculative_tokens, kv.num_blocks, draft_spec,
+                                       cfg.scheduler.max_num_seqs, kv.max_model_len, dev, cfg.cache.prefault_kv_cache)
+            self.proposer.host_caches = allocate_host(draft_spec, kv.num_host_blocks, dev)
+            self.proposer.load_offset = block_nbytes(runner.kv_caches)  # a disk block: target's K/V, then draft's
+        elif spec_cfg is not None and spec_cfg.method == "ngram" and self.is_driver:
+            self.proposer = NgramProposer(spec_cfg.num_speculative_tokens, spec_cfg.prompt_lookup_min,
+                                          spec_cfg.prompt_lookup_max)
+        self.acceptance = AcceptanceTracker.from_config(spec_cfg) if self.is_driver else None
 
     def apply_plan(self, plan: SchedulerOutput) -> None:
         self.model_runner.update_states(plan)
+        if self.proposer is not None:
+            self.proposer.apply_plan(plan)
         if self.acceptance is not None:
             for req_id in plan.finished_req_ids:
                 self.acceptance.forget(req_id)
@@ -129,34 +134,23 @@ class Worker:
         # are views of the pool that the KV manager must pin until written).
         # With a draft model its mirrored block follows the target's.
         runner = self.model_runner
-        groups = [runner.kv_caches] + ([runner.drafter.kv_caches] if runner.drafter is not None else [])
+        groups = [runner.kv_caches] + ([self.proposer.kv_caches] if isinstance(self.proposer, DraftModel) else [])
         if self.device.type == "cpu":
             return BlockViews([cache for group in groups for cache in group]), True
         return partial(read_block_groups, groups), False
 
     def execute_model(self, num_scheduled_tokens: dict[str, int], propose_drafts: bool = True) -> ModelRunnerOutput:
         # propose_drafts is off in steps whose batch is above disable_by_batch_size: drafts would cost more
-        # than they save (the draft model still catches up on every step).
-        runner = self.model_runner
-        runner.propose_drafts = propose_drafts
-        out = runner.execute_model(num_scheduled_tokens)
+        # than they save (the draft model still records how far it lags).
+        proposer = self.proposer
+        out = self.model_runner.execute_model(num_scheduled_tokens, proposer.draft_probs if proposer else None)
         if self.acceptance is not None and out.spec is not None:
             for req_id, drafted, accepted in zip(out.req_ids, out.spec.num_draft_tokens, out.spec.accepted_token_ids):
                 self.acceptance.record(req_id, drafted, len(accepted))
-        if self.proposer is not None and propose_drafts and out.req_ids:
-            out.draft_token_ids = self._propose_ngram(out)
+        if proposer is not None and num_scheduled_tokens:
+            undrafted = self.acceptance.disabled if self.acceptance is not None else frozenset()
+            drafts = proposer.propose(SampledStep(self.model_runner.input_batch, num_scheduled_tokens, out,
+                                                  self.model_runner.generator, propose_drafts, undrafted))
+            if out.req_ids:
+                out.draft_token_ids = drafts
         return out
-
-    def _propose_ngram(self, out: ModelRunnerOutput) -> dict[str, list[int]]:
-        # Each sampled row's tokens after this step: the batch's known tokens, the drafts it accepted (they sit
-        # right after them in token_ids) and the token it sampled.
-        batch = self.model_runner.input_batch
-        drafts = {}
-        undrafted = self.acceptance.disabled if self.acceptance is not None else ()
-        for j, req_id in enumerate(out.req_ids):
-            if req_id in undrafted:
-                continue
-            row = batch.row_of(req_id)
-            n = int(batch.num_tokens[row]) + (len(out.spec.accepted_token_ids[j]) if out.spec is not None else 0)
-            drafts[req_id] = self.proposer.propose(np.append(batch.token_ids[row, :n], out.sampled_token_ids[j]))
-        return drafts
