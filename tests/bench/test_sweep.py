@@ -12,7 +12,7 @@ from pagedserve.bench.metrics import SLO
 from pagedserve.bench.sweep import find_max_rate
 from pagedserve.cli import main
 from tests.bench.conftest import bench, read_report
-from tests.bench.test_fake_server import SLACK_S
+from tests.bench.test_fake_server import gaps_slept
 
 
 def search(capacity, start, steps=4, max_rate=None, stop_after=None):
@@ -111,12 +111,12 @@ def test_bad_sweep_and_goodput_flags(fake, capsys, flags, message):
     assert message in capsys.readouterr().err
 
 
-def test_bursty_arrivals_follow_the_seeded_gamma_gaps(fake, tmp_path):
-    out = tmp_path / "r.json"
+def test_bursty_arrivals_follow_the_seeded_gamma_gaps(fake, tmp_path, monkeypatch):
+    out, gaps = tmp_path / "r.json", gaps_slept(monkeypatch)
     assert main(bench("--base-url", fake.url, "--num-prompts", "6", "--input-len", "4", "--output-len", "2",
                       "--request-rate", "10", "--burstiness", "0.5", "--seed", "3", "--out", str(out))) == 0
     m = read_report(out)["runs"][0]["metrics"]
     rng = random.Random(3)
-    gaps = sum(rng.gammavariate(0.5, 1 / (10 * 0.5)) for _ in range(5))
-    assert not math.isclose(gaps, sum(random.Random(3).expovariate(10) for _ in range(5)))
-    assert gaps + 0.12 <= m["duration_s"] < gaps + 0.12 + 2 * SLACK_S
+    assert gaps == [rng.gammavariate(0.5, 1 / (10 * 0.5)) for _ in range(5)]
+    assert not math.isclose(sum(gaps), sum(random.Random(3).expovariate(10) for _ in range(5)))
+    assert sum(gaps) + 0.12 <= m["duration_s"]  # the last arrival, then its 0.12 s request
