@@ -110,9 +110,9 @@ def test_writer_reads_pinned_blocks_from_the_pool_and_drops_stores_past_the_boun
         reads.extend(block_ids)
         return [[memoryview(memory[b])[:NBYTES // 2], memoryview(memory[b])[NBYTES // 2:]] for b in block_ids]
 
-    gate = threading.Event()
+    started, gate = threading.Event(), threading.Event()
     write = kv.disk._write
-    kv.disk._write = lambda *a: (gate.wait(30), write(*a))
+    kv.disk._write = lambda *a: (started.set(), gate.wait(30), write(*a))
     req = make_request("a", prompt_len=13)                # blocks 0-2 full, 3 partial
     run_prompt(kv, req)
     hashes = kv.req_hashes["a"][:3]
@@ -127,14 +127,18 @@ def test_writer_reads_pinned_blocks_from_the_pool_and_drops_stores_past_the_boun
     kv.free(hit)
     assert kv.pool.num_free_blocks == 8 and kv.usage() == 0.0
     assert sorted(b.block_id for b in kv.pool.allocate(8)) == list(range(2, 10))
-    kv.release_disk_pins()                                # the writer is not done: still pinned
+    started.wait(30)                                      # the writer is on block 0, block 1 waits
+    kv.release_disk_pins()
     assert kv.pool.num_free_blocks == 0 and kv.usage() == 0.8
+    # Pins yield to requests: a request short of a block takes block 1, whose store is dropped unwritten.
+    assert kv.allocate_slots(make_request("c", prompt_len=3, first_token=500), 3) == [1]
+    assert kv.disk.stats.num_dropped_stores == 2 and kv.num_disk_pins == 1
     gate.set()
     kv.disk.flush()
     kv.release_disk_pins()
-    assert sorted(kv.pool.free_queue) == [0, 1] and kv.num_disk_pins == 0
-    assert [bytes(kv.disk.load(h)) for h in hashes[:2]] == [payload(0), payload(1)]
-    assert kv.disk.load(hashes[2]) is None
+    assert list(kv.pool.free_queue) == [0] and kv.num_disk_pins == 0
+    assert bytes(kv.disk.load(hashes[0])) == payload(0)
+    assert kv.disk.load(hashes[1]) is None and kv.disk.load(hashes[2]) is None
 
 
 def test_corrupt_torn_and_foreign_files_are_misses(tmp_path):

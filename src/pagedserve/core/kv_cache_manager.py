@@ -17,7 +17,8 @@ loaded into newly allocated blocks before the next forward pass (BlockOps.load) 
 Every block that becomes cached is queued for the disk (take_disk_stores) unless it came from there. With the
 pool in host memory the writer reads a block straight from it: the block is pinned (not allocatable) until
 written, at most max_disk_pins at once; blocks beyond that, or beyond the writer's queue, are dropped before
-any copy, so a writer that falls behind costs the engine nothing.
+any copy, so a writer that falls behind costs the engine nothing. Pins yield to requests: when the pool is
+short (free_blocks_for), stores the writer has not started are dropped and their blocks unpinned.
 """
 from __future__ import annotations
 
@@ -159,7 +160,7 @@ class KVCacheManager:
         cow = not computed_blocks and write_idx < len(blocks) and blocks[write_idx].ref_cnt > 1
         # Hit blocks that sit in the free queue stop being allocatable once we take them.
         num_free_hits = sum(1 for b in computed_blocks if b.ref_cnt == 0)
-        if num_needed + cow > self.pool.num_free_blocks - num_free_hits:
+        if num_needed + cow > self.free_blocks_for(num_needed + cow + num_free_hits) - num_free_hits:
             return None
         if cow:
             [copy] = self.pool.allocate(1)
@@ -213,7 +214,7 @@ class KVCacheManager:
     def swap_in(self, req: Request, num_new_tokens: int) -> list[int] | None:
         host = self.swapped[req.req_id]
         num_needed = cdiv(req.num_computed_tokens + num_new_tokens, self.block_size)
-        if num_needed > self.pool.num_free_blocks:
+        if num_needed > self.free_blocks_for(num_needed):
             return None
         blocks = self.pool.allocate(num_needed)
         self._ops.swap_in.extend((h.block_id, d.block_id) for h, d in zip(host, blocks))
@@ -273,11 +274,17 @@ class KVCacheManager:
                 self.num_disk_pins += 1
             self.disk.store(record, payload, pinned=pin)
 
-    def release_disk_pins(self) -> None:
-        # Blocks the writer is done with become allocatable again.
-        for block_id in self.disk.take_written():
+    def release_disk_pins(self, cancel: bool = False) -> None:
+        # Blocks the writer is done with become allocatable again; with cancel, those it has not started too.
+        for block_id in self.disk.take_written() + (self.disk.cancel_pinned() if cancel else []):
             self.pool.unpin(self.pool.blocks[block_id])
             self.num_disk_pins -= 1
+
+    def free_blocks_for(self, num_needed: int) -> int:
+        # The pool's free blocks; when fewer than num_needed, pinned blocks not yet being written are freed first.
+        if num_needed > self.pool.num_free_blocks and self.num_disk_pins:
+            self.release_disk_pins(cancel=True)
+        return self.pool.num_free_blocks
 
     def _report_stored(self, req: Request, hashes: list[BlockHash], start: int, added: list[bool]) -> None:
         # One BlockStored per run of blocks this call added; a block whose hash another block already holds

@@ -132,6 +132,7 @@ class DiskKVStore:
         self._idle = threading.Condition(self._lock)  # notified when the queue has been written out
         self._tmp_seq = 0
         self._written: list[int] = []  # pinned blocks written (or failed), for take_written
+        self._pinned_queued: dict[int, list] = {}  # block id -> its queue item, until the writer starts it
         self._scan()  # the directory's size, before the first write can push it over the bound
         self._thread = threading.Thread(target=self._write_loop, name="kv-offload-writer", daemon=True)
         self._thread.start()
@@ -202,13 +203,30 @@ class DiskKVStore:
                     self._written.append(record.block_id)
                 return
             self._queued_bytes += self.block_nbytes
-        self._queue.put((record, payload if isinstance(payload, list) else [payload], pinned))
+        item = [record, payload if isinstance(payload, list) else [payload], pinned, False]  # False: not cancelled
+        if pinned:
+            with self._lock:
+                self._pinned_queued[record.block_id] = item
+        self._queue.put(item)
 
     def take_written(self) -> list[int]:
         # Block ids of pinned stores the writer is done with (engine thread: it unpins them).
         with self._lock:
             done, self._written = self._written, []
         return done
+
+    def cancel_pinned(self) -> list[int]:
+        # The pool is short: pinned stores the writer has not started are dropped (counted); their block ids,
+        # to unpin now. A block being written stays pinned until take_written returns it.
+        with self._lock:
+            items, self._pinned_queued = list(self._pinned_queued.values()), {}
+            for item in items:
+                item[3] = True
+            self._queued_bytes -= len(items) * self.block_nbytes
+            self.stats.num_dropped_stores += len(items)
+            if not self._queued_bytes:
+                self._idle.notify_all()
+        return [item[0].block_id for item in items]
 
     def flush(self, timeout: float | None = None) -> bool:
         # True once every queued block is on disk (tests, benchmarks, shutdown); False if timeout ran out.
@@ -228,7 +246,12 @@ class DiskKVStore:
         except (AttributeError, OSError):  # not Linux, or not allowed: normal priority
             pass
         while (item := self._queue.get()) is not None:
-            record, chunks, pinned = item
+            record, chunks, pinned, _ = item
+            with self._lock:
+                if item[3]:  # cancelled: its pin is gone and its bytes no longer counted
+                    continue
+                if pinned:
+                    del self._pinned_queued[record.block_id]
             try:
                 self._write(record, chunks)
             except OSError:  # a full or read-only volume: the block stays recomputable, serving goes on

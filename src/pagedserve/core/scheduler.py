@@ -241,7 +241,8 @@ class Scheduler:
             held = 0 if kv.is_swapped(r) else len(kv.req_blocks.get(r.req_id, ()))
             return max(0, -(-(r.num_computed_tokens + num_new) // kv.block_size) - held)
 
-        return blocks_for(req) + sum(blocks_for(r) for r in self.running) <= kv.pool.num_free_blocks
+        num_needed = blocks_for(req) + sum(blocks_for(r) for r in self.running)
+        return num_needed <= kv.free_blocks_for(num_needed)
 
     def _admit(self, req: Request) -> None:
         self.waiting.pop()
