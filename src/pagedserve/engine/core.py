@@ -160,7 +160,7 @@ class EngineCore:
             self.kv.disk.flush()
             self.kv.release_disk_pins()
         if self.scheduler.has_unfinished() or not self.kv.pool.reset_prefix_cache():
-            raise RuntimeError("warm-up requests are still running")
+            raise RuntimeError("warm-up blocks are still in use")
         self.kv.prefix_stats = PrefixCacheStats()
         self.scheduler.num_preemptions_total = 0
         self.stats = EngineStats(on_finished=self.stats.on_finished)
