@@ -247,6 +247,12 @@ def test_huge_chats_are_refused_before_tokenizing(fake):
                 {"role": "user", "content": part}]
     tool = {"type": "function", "function": {"name": "f", "description": part * 3, "parameters": {}}}
     hi = [{"role": "user", "content": "t1"}]
+    # Refused before the template renders them (a 15 MB chat or tool through Jinja), not only once the rendered
+    # text is measured: the renderer is never called.
+    renders = []
+    tokenizer = async_engine.processor.tokenizer
+    render = tokenizer.apply_chat_template
+    tokenizer.apply_chat_template = lambda *a, **kw: renders.append(1) or render(*a, **kw)
     resps = call(async_engine, [
         ("POST", "/v1/chat/completions", {"json": {"messages": messages, "max_tokens": 2}}),
         ("POST", "/v1/chat/completions", {"json": {"messages": hi, "tools": [tool], "tool_choice": "none",
@@ -255,3 +261,4 @@ def test_huge_chats_are_refused_before_tokenizing(fake):
     ])
     for resp in resps:
         assert "characters" in assert_openai_error(resp, 400)["message"]
+    assert not renders and not engine.requests
