@@ -18,8 +18,8 @@ flight) and `shared` (a 1,000-word system prompt shared by 32 requests, 8 in fli
 first sends each workload's shape N times with other words, untimed (so a measured run finds only a shared
 prefix cached). Each row also reports the roofline: the bytes one decode step must read (every weight that
 multiplies, plus the KV of the context) over the memory bandwidth this run measured
-(common.memory_bandwidth), as a floor for time per token. The embedded model works too: `--gguf` its GGUF,
-`--vllm-model` its export (benchmarks/export_hf.py).
+(common.memory_bandwidth), as a floor for time per token. Without `--gguf` it serves the embedded model (vLLM:
+`--vllm-model` its export, benchmarks/export_hf.py).
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ import sys
 import tempfile
 
 from common import machine_info, memory_bandwidth, roofline_ms, write_json
-from serving import add_peer_args, peer_specs, server_info, start_servers
+from serving import add_peer_args, embedded_gguf, peer_specs, server_info, start_servers
 
 WORKLOADS = {
     "single": ["--num-prompts", "6", "--input-len", "64", "--output-len", "64", "--concurrency", "1"],
@@ -82,7 +82,7 @@ def run_workload(name: str, urls: list[str], labels: list[str], out_dir: str, ar
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--gguf", required=True)
+    p.add_argument("--gguf", default=None, help="the GGUF pagedserve and llama.cpp serve (default: the embedded model)")
     p.add_argument("--num-threads", type=int, default=2)
     p.add_argument("--dtype", default="auto", help="pagedserve's --dtype (default auto)")
     p.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
@@ -95,6 +95,7 @@ def main() -> int:
     p.add_argument("--out", required=True)
     add_peer_args(p, "--gguf")
     args = p.parse_args()
+    args.gguf = args.gguf or embedded_gguf()
     report = {"machine": machine_info(), "gguf": os.path.abspath(args.gguf),
               "gguf_bytes": os.path.getsize(args.gguf), "workloads": {}}
     report["memory_bandwidth"] = memory_bandwidth(num_threads=args.num_threads)
