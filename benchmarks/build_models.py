@@ -1,6 +1,6 @@
 """Random-weight models of real shapes, as Hugging Face bf16 directories and llama.cpp GGUF files, offline.
 
-    python benchmarks/build_models.py --shapes llama-3.2-1b qwen2.5-1.5b --out /work/models
+    python benchmarks/build_models.py --shapes llama-3.2-1b qwen2.5-1.5b gemma-3-1b --out /work/models
 
 For each shape: a transformers model with transformers' own initialisation (normal, std 0.02; norms 1; biases
 normal too, so that they matter), the embedded SmolLM2's tokenizer (49,152 tokens, so the vocabulary is
@@ -35,7 +35,7 @@ INIT_STD = 0.02  # transformers' initializer_range default, which these models' 
 
 @dataclass(frozen=True, slots=True)
 class Shape:
-    model_type: str  # transformers config class: "llama" or "qwen2"
+    model_type: str  # transformers config class: "llama", "qwen2" or "gemma3_text"
     num_layers: int
     hidden_size: int
     num_heads: int
@@ -44,6 +44,8 @@ class Shape:
     rope_theta: float
     rms_norm_eps: float
     quant_types: tuple[str, ...]  # llama-quantize type names
+    head_dim: int | None = None  # None: hidden_size / num_heads
+    sliding_window: int | None = None  # Gemma 3: its local layers' window, every 6th layer global
 
 
 SHAPES = {
@@ -51,6 +53,9 @@ SHAPES = {
                           ("Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0", "IQ4_XS")),
     "llama-3.2-3b": Shape("llama", 28, 3072, 24, 8, 8192, 500000.0, 1e-5, ("Q4_K_M",)),
     "qwen2.5-1.5b": Shape("qwen2", 28, 1536, 12, 2, 8960, 1000000.0, 1e-6, ("Q4_K_M",)),
+    # google/gemma-3-1b-it's text config: global layers at rope base 1e6, local ones (window 512) at 10,000.
+    "gemma-3-1b": Shape("gemma3_text", 26, 1152, 4, 1, 6912, 1000000.0, 1e-6, ("Q4_K_M",), head_dim=256,
+                        sliding_window=512),
 }
 
 
@@ -68,14 +73,24 @@ def build_hf_dir(shape: Shape, path: str, seed: int) -> None:
     import transformers
 
     tokenizer = smollm2_tokenizer()
-    config_cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[shape.model_type]
+    config_cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
+                  "gemma3_text": transformers.Gemma3TextConfig}[shape.model_type]
+    if shape.model_type == "gemma3_text":
+        extra = dict(head_dim=shape.head_dim, query_pre_attn_scalar=shape.head_dim, sliding_window=shape.sliding_window,
+                     layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
+                                  for i in range(shape.num_layers)],
+                     rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                      "full_attention": {"rope_type": "default", "rope_theta": shape.rope_theta}},
+                     pad_token_id=tokenizer.pad_token_id)
+    else:
+        extra = dict(rope_theta=shape.rope_theta)
     config = config_cls(vocab_size=len(tokenizer), hidden_size=shape.hidden_size,
                         intermediate_size=shape.intermediate_size, num_hidden_layers=shape.num_layers,
                         num_attention_heads=shape.num_heads, num_key_value_heads=shape.num_kv_heads,
-                        rope_theta=shape.rope_theta, rms_norm_eps=shape.rms_norm_eps,
+                        rms_norm_eps=shape.rms_norm_eps,
                         max_position_embeddings=CONTEXT_LEN, tie_word_embeddings=True,
                         initializer_range=INIT_STD, bos_token_id=tokenizer.bos_token_id,
-                        eos_token_id=tokenizer.eos_token_id, torch_dtype="bfloat16")
+                        eos_token_id=tokenizer.eos_token_id, torch_dtype="bfloat16", **extra)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     with torch.no_grad():

@@ -75,7 +75,7 @@ def test_auto_backend_picks_kernel_on_cpu() -> None:
 
 
 @pytest.mark.parametrize("window,softcap", [(3, None), (6, 2.0), (None, 2.0), (21, None)])
-@pytest.mark.parametrize("head_dim,cache_dtype", [(8, torch.float32), (64, torch.bfloat16)])
+@pytest.mark.parametrize("head_dim,cache_dtype", [(8, torch.float32), (64, torch.bfloat16), (256, torch.float32)])
 def test_windowed_kernel_matches_reference(make_backend, window, softcap, head_dim: int, cache_dtype) -> None:
     # Sliding windows (1 block, across blocks, wider than a tile) and Gemma 2's score cap, under chunked
     # prefill and decode with shared leading blocks (which a windowed call must not share); NaN in slots no

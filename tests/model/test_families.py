@@ -91,6 +91,27 @@ def assert_same_greedy(got: list[int], want: list[int], margins: list[float], la
     assert len(got) == len(want), label
 
 
+def family_model_dir(name: str, embedded_model, path, seed: int = 0):
+    # transformers' tiny model of the family and its directory, with the embedded model's tokenizer over the
+    # first 512 of its ids (a small LM head keeps the tests quick).
+    config = family_config(name, vocab_size=512, eos_token_id=embedded_model.eos_token_ids[0])
+    hf_model = random_hf_model(config, scale=0.3, seed=seed)
+    return hf_model, save_hf_dir(hf_model, embedded_model.tokenizer, path)
+
+
+def random_prompts(seed: int, lengths) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 512, (n,), generator=gen).tolist() for n in lengths]
+
+
+def assert_matches_transformers(llm: LLM, hf_model, prompts: list[list[int]], max_tokens: int, label: str) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)
+    for i, (out, ids) in enumerate(zip(outs, prompts)):
+        want, margins = _hf_greedy(hf_model, ids, max_tokens)
+        assert_same_greedy(list(out.outputs[0].token_ids), want, margins, f"{label} prompt {i}")
+
+
 @pytest.mark.parametrize("name", FAMILIES)
 def test_generate_matches_transformers_with_prefix_caching(name: str, embedded_model, model_cache) -> None:
     # The whole engine (compiled kernel for full-attention layers, chunked prefill of 16 tokens, block size
@@ -154,3 +175,18 @@ def test_phi3_fused_tensors_shard_per_part_for_tensor_parallel() -> None:
         assert torch.equal(local.model.layers[0].mlp.gate_up_proj.weight, want)
     with pytest.raises(ValueError, match="qkv_proj.weight. has 128 rows, expected 64"):  # whole, on a rank
         local.load_weights([("model.layers.0.self_attn.qkv_proj.weight", qkv)])
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_self_draft_speculation_matches_transformers(name: str, embedded_model, model_cache) -> None:
+    # Draft-model speculation with the model as its own draft: the target verifies k + 1 tokens per step
+    # through its windowed, capped or longrope layers, with chunked prefill and prefix caching on; greedy tokens
+    # stay transformers' and the drafts are accepted.
+    from tests.spec_decode.test_draft_model import draft_config
+
+    hf_model, model_dir = family_model_dir(name, embedded_model, model_cache / name, seed=1)
+    llm = LLM(model=model_dir, block_size=16, max_num_batched_tokens=16, enable_prefix_caching=True,
+              kv_cache_memory_bytes=8 << 20, speculative_config=draft_config(model_dir, k=3))
+    assert_matches_transformers(llm, hf_model, random_prompts(5, (27, 18)), 12, name)
+    spec = llm.llm_engine.core.stats.spec
+    assert spec.num_draft_tokens >= 2 * 3 and spec.acceptance_rate > 0.8, (spec.num_draft_tokens, spec.acceptance_rate)

@@ -60,14 +60,27 @@ inline __m512 sum_lanes16(const __m512* v) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(c0, c1, 0x88), _mm512_shuffle_f32x4(c0, c1, 0xDD));
 }
 
+// Gemma 2's score cap, cap * tanh(s / cap), 16 scores at a time: tanh(x) = 1 - 2 / (e^2x + 1), with x clamped
+// to +-9 (tanh is 1 in float32 from 9.01 on) so that e^2x stays finite. Absolute error ~1e-7 * cap, as the
+// portable path's std::tanh; the relative error near 0 does not matter to a softmax.
+inline __m512 softcap512(__m512 s, float cap) {
+  const __m512 x = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(s, _mm512_set1_ps(2.f / cap)), _mm512_set1_ps(-18.f)),
+                                 _mm512_set1_ps(18.f));
+  const __m512 one = _mm512_set1_ps(1.f);
+  const __m512 t = _mm512_sub_ps(one, _mm512_div_ps(_mm512_set1_ps(2.f), _mm512_add_ps(exp512(x), one)));
+  return _mm512_mul_ps(t, _mm512_set1_ps(cap));
+}
+
 // Online-softmax update of one row with its sub-block scores s, of which the first `limit` are keys the row
-// sees (causal): m and l move, p receives e^(s - m) (0 past limit); returns the factor for the row's acc.
-inline float softmax_update(__m512 s, int64_t limit, float& m, float& l, float* p) {
+// sees (causal), capped first when cap > 0: m and l move, p receives e^(s - m) (0 past limit); returns the
+// factor for the row's acc.
+inline float softmax_update(__m512 s, int64_t limit, float cap, float& m, float& l, float* p) {
   const __mmask16 mask = limit <= 0 ? 0 : static_cast<__mmask16>((1u << limit) - 1u);
   if (mask == 0) {  // every key of this sub-block is in this row's future
     _mm512_storeu_ps(p, _mm512_setzero_ps());
     return 1.f;
   }
+  if (cap > 0.f) s = softcap512(s, cap);
   s = _mm512_mask_mov_ps(_mm512_set1_ps(kMinScore), mask, s);
   const float m_new = std::max(m, _mm512_reduce_max_ps(s));
   const __m512 e = _mm512_maskz_mov_ps(mask, exp512(_mm512_sub_ps(s, _mm512_set1_ps(m_new))));
@@ -200,8 +213,8 @@ void attend_rows_transposed(const Tile& t, const float* q, float* acc, float* m,
             s0 = _mm512_fmadd_ps(_mm512_set1_ps(qr[d]), _mm512_load_ps(kt + d * 16), s0);
             s1 = _mm512_fmadd_ps(_mm512_set1_ps(qr[d + 1]), _mm512_load_ps(kt + (d + 1) * 16), s1);
           }
-          corr[r] = softmax_update(_mm512_add_ps(s0, s1), std::min(nk, causal_limit(t, r0 + r, kp0)), m[r0 + r],
-                                   l[r0 + r], p + r * 16);
+          corr[r] = softmax_update(_mm512_add_ps(s0, s1), std::min(nk, causal_limit(t, r0 + r, kp0)), t.softcap,
+                                   m[r0 + r], l[r0 + r], p + r * 16);
         }
         accumulate_pv_n<RC, NV, float>(nr, acc + r0 * D, p, corr, vh, vs * sizeof(float), nk, D);
       }
@@ -247,7 +260,7 @@ void direct_pass(const Tile& t, const float* q, float* acc, float* m, float* l, 
     __m512 s = sum_lanes16(part[r]);
     if constexpr (is_8bit_v<CT>) s = _mm512_mul_ps(s, _mm512_load_ps(scales));  // lanes past nk: masked
     const int64_t row = r0 + r;
-    corr[r] = softmax_update(s, std::min(nk, causal_limit(t, row, kp0)), m[row], l[row], p + r * 16);
+    corr[r] = softmax_update(s, std::min(nk, causal_limit(t, row, kp0)), t.softcap, m[row], l[row], p + r * 16);
   }
   accumulate_pv<NR, NV, CT>(acc + r0 * D, p, corr, vh, t.slot_bytes, nk, D);
 }

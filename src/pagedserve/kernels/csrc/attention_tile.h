@@ -17,8 +17,8 @@
 // A batch-invariant tile (`invariant`) computes each row exactly as a one-token tile of the same row would, so
 // that a token's output does not depend on how many tokens share its tile (decode, k + 1 verified speculative
 // tokens, a prefill chunk of any length): plain tiles take the AVX-512 direct path at every size (never the
-// transposed or AMX paths, which sum a row's scores in another order), windowed and capped tiles the portable
-// path (never the decode tile's sub-block walk). Both walk a row's keys in the same sub-blocks in the same
+// transposed or AMX paths, which sum a row's scores in another order; capped ones too, capping each score),
+// windowed tiles the portable path (never the decode tile's sub-block walk). Both walk a row's keys in the same sub-blocks in the same
 // order whatever the tile; keys past a row's position contribute exact zeros (p = 0, correction 1).
 #pragma once
 
@@ -183,9 +183,9 @@ inline void prefetch_ahead(const Tile& t, int64_t b, int64_t last_pos) {
   prefetch_block(t, b + kPrefetchBlocks, last_pos);
 }
 
-// Portable path: plain loops the compiler vectorizes; any head_dim, any block size; the path of soft-capped
-// tiles and of windowed tiles of more than one token. q: the tile's scaled query rows; o: receives its output rows (lse, when set,
-// their log-sum-exps).
+// Portable path: plain loops the compiler vectorizes; any head_dim, any block size; the path of windowed
+// tiles of more than one token (and, without AVX-512, of every windowed or capped tile). q: the tile's scaled
+// query rows; o: receives its output rows (lse, when set, their log-sum-exps).
 template <typename CT>
 inline void attend_rows_generic(const Tile& t, const float* q, float* o, float* lse, std::vector<float>& scratch) {
   const int64_t hd = t.head_dim, rows = rows_per_head(t) * t.kv_heads, bs = t.block_size;
@@ -252,8 +252,9 @@ template <typename CT>
 inline void attend_rows(const Tile& t, const float* q, float* o, float* lse, std::vector<float>& scratch) {
 #if defined(__AVX512F__)
   // A decode tile (one token) has one window for all its rows: it walks from the window's first key, which
-  // need not start a block (the AVX-512 path reads sub-blocks from any position).
-  if (t.softcap == 0.f && (t.window == 0 || (t.n_q == 1 && !t.invariant))) {
+  // need not start a block (the AVX-512 path reads sub-blocks from any position). Soft-capped scores are
+  // capped in registers (softcap512).
+  if (t.window == 0 || (t.n_q == 1 && !t.invariant)) {
     Tile u = t;
     u.key_begin = first_key(t);
     u.window = 0;

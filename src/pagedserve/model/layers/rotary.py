@@ -8,6 +8,8 @@ rest through; Gemma 3 gives its sliding layers their own parameters (rope_parame
 """
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 
@@ -61,8 +63,19 @@ def compute_inv_freq(hf_config, head_dim: int, layer_type: str | None = None,
     kwargs = {} if layer_type is None else {"layer_type": layer_type}
     if seq_len is not None:
         kwargs["seq_len"] = seq_len
-    inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](as_transformers_config(hf_config), None, **kwargs)
+    inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](_rope_config(hf_config, head_dim), None, **kwargs)
     return inv_freq.float(), float(attention_scaling)
+
+
+def _rope_config(hf_config, head_dim: int):
+    # transformers' config for its rope functions. A tensor-parallel rank's config holds its share of the heads
+    # with head_dim kept (layers/parallel.py: shard_config), but transformers' Phi-3 checks its longrope factors
+    # against hidden_size / num_attention_heads: such a config gets back the head count that gives head_dim.
+    heads, hidden = getattr(hf_config, "num_attention_heads", 0), getattr(hf_config, "hidden_size", 0)
+    if heads and hidden // heads != head_dim and hidden % head_dim == 0 and (hidden // head_dim) % heads == 0:
+        hf_config = copy.copy(hf_config)
+        hf_config.num_attention_heads = hidden // head_dim
+    return as_transformers_config(hf_config)
 
 
 def longrope_switch_len(hf_config, layer_type: str | None = None) -> int | None:
