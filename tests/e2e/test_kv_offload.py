@@ -3,6 +3,7 @@ generates what an engine without the disk tier generates; bad files are recomput
 from __future__ import annotations
 
 import os
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -94,6 +95,9 @@ def test_restarted_engine_loads_the_prefix_and_generates_the_same(model_dir, tmp
     text = scrape(second)
     assert f'vllm:kv_offload_loaded_blocks_total{{model_name="m"}} {NUM_PROMPT_BLOCKS}.0' in text
     assert f'vllm:kv_offload_hit_tokens_total{{model_name="m"}} {16 * NUM_PROMPT_BLOCKS}.0' in text
+    # The generated tokens' block, already on disk from the first engine: checked, not written again.
+    [cpu] = re.findall(r'vllm:kv_offload_writer_cpu_seconds_total\{model_name="m"\} (\S+)', text)
+    assert float(cpu) > 0
 
 
 def test_draft_models_kv_is_stored_and_loaded_with_the_block(model_dir, draft_dir, tmp_path):

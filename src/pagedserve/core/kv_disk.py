@@ -54,6 +54,7 @@ class KVOffloadStats:
     num_corrupt_blocks: int = 0
     num_dropped_stores: int = 0    # the writer fell behind: MAX_QUEUED_BYTES queued, or the pin bound
     disk_bytes: int = 0            # bytes of block files in the directory at the last scan or write
+    writer_cpu_seconds: float = 0.0  # the writer thread's CPU time (checks, writes, evictions)
 
 
 @dataclass(frozen=True, slots=True)
@@ -252,11 +253,13 @@ class DiskKVStore:
                     continue
                 if pinned:
                     del self._pinned_queued[record.block_id]
+            t0 = time.thread_time()
             try:
                 self._write(record, chunks)
             except OSError:  # a full or read-only volume: the block stays recomputable, serving goes on
                 pass
             finally:
+                self.stats.writer_cpu_seconds += time.thread_time() - t0
                 with self._lock:
                     self._queued_bytes -= self.block_nbytes
                     if pinned:

@@ -150,6 +150,8 @@ def _kv_offload_metrics(gauge, counter, s) -> Iterable[Metric]:
     yield counter("kv_offload_dropped_stores_total", "Blocks not written because the writer fell behind.",
                   s.num_dropped_stores)
     yield gauge("kv_offload_disk_bytes", "Bytes of block files in the disk tier's directory.", s.disk_bytes)
+    yield counter("kv_offload_writer_cpu_seconds_total", "CPU time of the disk tier's writer thread.",
+                  s.writer_cpu_seconds)
 
 
 def priority_label(priority: int) -> str:
