@@ -1,6 +1,8 @@
 """What crosses between the layers, as plain typed records: no torch, no engine code.
 
     front-end (engine/processor.py)  --EngineCoreRequest-->   engine core (engine/core.py)
+    front-end (engine/async_engine.py) --AddRequests, FinishRequests, TakeKVSnapshot, AddFinishedHook, ClearWarmup-->
+                                        the engine thread, which calls the core's method of the same name
     front-end (engine/output_processor.py) <--EngineCoreOutput--  engine core
     engine core --SchedulerOutput (core/scheduler_output.py)--> executor -> workers
     engine core <--ModelRunnerOutput (core/scheduler_output.py)-- executor
@@ -11,13 +13,15 @@ engine core, so neither pulls in torch, the loader or distributed/ for a message
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
+from pagedserve.core.request import RequestStatus
 from pagedserve.core.scheduler_output import ModelRunnerOutput, PromptLogprobsChunk
 from pagedserve.metrics.stats import RequestStats
 from pagedserve.sampling_params import SamplingParams
 
 __all__ = ["EngineCoreRequest", "EngineCoreOutput", "SampledLogprobs", "ModelRunnerOutput", "PromptLogprobsChunk",
+           "AddRequests", "FinishRequests", "TakeKVSnapshot", "AddFinishedHook", "ClearWarmup", "EngineCommand",
            "EngineError", "RequestConstraintError", "EngineClosedError", "EngineDeadError"]
 
 
@@ -62,6 +66,37 @@ class EngineCoreOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+# What the front-end asks of the engine thread (vLLM's EngineCoreRequestType ADD / ABORT / UTILITY): each runs
+# between two steps, in the order sent.
+@dataclass(frozen=True, slots=True)
+class AddRequests:
+    requests: list[EngineCoreRequest]  # one client request's sequences: all are added or none
+
+
+@dataclass(frozen=True, slots=True)
+class FinishRequests:
+    req_ids: list[str]  # aborted (client gone) or stopped by a stop string the front-end found
+    status: RequestStatus = RequestStatus.FINISHED_ABORTED
+
+
+@dataclass(frozen=True, slots=True)
+class TakeKVSnapshot:
+    pass  # answered with the KV pool's state (core/kv_snapshot.py) and the engine's counters
+
+
+@dataclass(frozen=True, slots=True)
+class AddFinishedHook:
+    hook: Callable[[RequestStats], None]  # called on the engine thread with each finished sequence's stats
+
+
+@dataclass(frozen=True, slots=True)
+class ClearWarmup:
+    pass  # forget the start-up warm-up's blocks and counts (engine/warmup.py)
+
+
+EngineCommand = AddRequests | FinishRequests | TakeKVSnapshot | AddFinishedHook | ClearWarmup
 
 
 def describe_error(exc: BaseException) -> str:

@@ -30,7 +30,9 @@ from pagedserve.malloc import release_free_memory
 from pagedserve.niceness import yield_cpu_to_the_engine
 from pagedserve.metrics.stats import SpecDecodingStats
 from pagedserve.engine.output_stream import OutputStream
-from pagedserve.messages import EngineClosedError, EngineDeadError, EngineError, RequestConstraintError, describe_error
+from pagedserve.messages import (AddFinishedHook, AddRequests, ClearWarmup, EngineClosedError, EngineCommand,
+                                 EngineDeadError, EngineError, FinishRequests, RequestConstraintError, TakeKVSnapshot,
+                                 describe_error)
 from pagedserve.core.kv_snapshot import KVState, capture_kv_state
 from pagedserve.engine.processor import ChatPrompt, Processor, PromptInput
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams
@@ -66,6 +68,28 @@ BUSY_TRIM_INTERVAL_S = 2.0
 ADMISSION_WAIT_S = 0.05
 
 
+@dataclass(slots=True)
+class _Admission:
+    # n requests on their way to the engine (tokenizing, then queued): the engine waits for them before a step.
+    engine: AsyncLLMEngine
+    n: int
+    done: bool = False
+
+    def end(self) -> None:  # idempotent: when the engine thread takes them, or when they fail before that
+        with self.engine._lock:
+            if not self.done:
+                self.done = True
+                self.engine._admitting -= self.n
+        self.engine._wakeup.set()
+
+
+@dataclass(frozen=True, slots=True)
+class _Queued:
+    command: EngineCommand
+    reply: concurrent.futures.Future | None = None
+    admission: _Admission | None = None  # ended when the engine thread takes the command
+
+
 class AsyncLLMEngine:
     def __init__(self, core: Any = None, start: bool = True, *, factory: Callable[[], Any] | None = None) -> None:
         # Either a built EngineCore, or a factory that builds it on the engine thread (see from_config).
@@ -77,7 +101,7 @@ class AsyncLLMEngine:
         self._init_error: BaseException | None = None
         if self.core is not None:
             self._set_facts()
-        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Queued] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._lock = threading.Lock()  # orders _closed against command submission
         self._closed = False
@@ -157,79 +181,49 @@ class AsyncLLMEngine:
 
     def add_finished_callback(self, fn: Callable[[Any], None]) -> None:
         # Called on the engine thread with each finished sequence's RequestStats.
-        self._submit(lambda: self.core.stats.on_finished.append(fn))
+        self._submit(_Queued(AddFinishedHook(fn)))
 
     async def kv_snapshot(self) -> tuple[KVState, dict[str, Any]]:
         """The KV pool's state (core/kv_snapshot.py) and the engine's counters, taken between steps."""
-        def capture(core: Any) -> tuple[KVState, dict[str, Any]]:
-            stats = core.stats
-            return capture_kv_state(core.scheduler), {
-                "time": time.time(), "num_steps": stats.num_steps,
-                "prompt_tokens_total": stats.num_prompt_tokens_total,
-                "generation_tokens_total": stats.num_generation_tokens_total,
-                "step_time_total_s": stats.step_time_total}
-
-        return await self._on_engine_thread(capture)
+        return await self._call(TakeKVSnapshot())
 
     async def clear_warmup(self) -> None:
         """Forgets the start-up warm-up's blocks and counts (engine/warmup.py); nothing else may have run."""
-        def clear(core: Any) -> None:
-            core.clear_warmup()
-            self._take_snapshot()  # /metrics reads the snapshot
-
-        await self._on_engine_thread(clear)
+        await self._call(ClearWarmup())
 
     async def render_chat(self, chat: ChatPrompt) -> dict[str, Any]:
         """{"prompt": text, "prompt_token_ids": ids} (and the cache salt) of a conversation, rendered and checked."""
-        return await self._on_tokenizer_thread(lambda proc: proc.render_chat(chat))
+        return await self._on_tokenizer_thread(Processor.render_chat, chat)
 
     async def tokenize(self, prompts: Sequence[PromptInput]) -> list[tuple[str | None, list[int]]]:
         """(text, token ids) of each prompt, each checked and tokenized once (text None for token ids)."""
-        return await self._on_tokenizer_thread(lambda proc: [proc.tokenize(p) for p in prompts])
+        return await self._on_tokenizer_thread(Processor.tokenize_all, prompts)
 
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """The token ids of a text (its length checked first), as /tokenize reports them."""
-        def run(proc: Processor) -> list[int]:
-            proc.check_text_length(text)
-            return list(proc.tokenizer.encode(text, add_special_tokens=add_special_tokens))
-
-        return await self._on_tokenizer_thread(run)
+        return await self._on_tokenizer_thread(Processor.encode, text, add_special_tokens)
 
     async def detokenize(self, token_ids: Sequence[int]) -> str:
         """The text of token ids; ValueError for an id outside the vocabulary."""
-        def run(proc: Processor) -> str:
-            bad = [t for t in token_ids if not 0 <= t < proc.vocab_size]
-            if bad:
-                raise ValueError(f"token ids must be in [0, {proc.vocab_size}), got {bad[:5]}")
-            return proc.tokenizer.decode(token_ids)
+        return await self._on_tokenizer_thread(Processor.detokenize, token_ids)
 
-        return await self._on_tokenizer_thread(run)
+    async def _call(self, command: EngineCommand, admission: _Admission | None = None) -> Any:
+        # Runs the command on the engine thread between steps and returns its answer (or raises its error).
+        reply: concurrent.futures.Future = concurrent.futures.Future()
+        self._submit(_Queued(command, reply, admission))
+        return await asyncio.wrap_future(reply)
 
-    async def _on_engine_thread(self, fn: Callable[[Any], T]) -> T:
-        # Runs fn(core) on the engine thread between steps and returns its result (or raises its error).
-        fut: concurrent.futures.Future = concurrent.futures.Future()
+    async def _on_tokenizer_thread(self, method: Callable[..., T], *args: Any) -> T:
+        # Runs a Processor method on the tokenizer thread: tokenize, render templates, decode.
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, self._tokenizer_job, method,
+                                                                args)
 
-        def command() -> None:
-            if not fut.set_running_or_notify_cancel():
-                return
-            try:
-                fut.set_result(fn(self.core))
-            except BaseException as exc:  # noqa: BLE001 (handed to the caller)
-                fut.set_exception(exc)
-
-        self._submit(command)
-        return await asyncio.wrap_future(fut)
-
-    async def _on_tokenizer_thread(self, fn: Callable[[Processor], T]) -> T:
-        # Runs fn(processor) on the tokenizer thread: tokenize, render templates, decode.
-        def job(processor: Processor) -> T:
-            self._tokenizing_since = time.monotonic()
-            try:
-                return fn(processor)
-            finally:
-                self._tokenizing_since = None
-
-        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, job, self.processor)
+    def _tokenizer_job(self, method: Callable[..., T], args: tuple) -> T:  # tokenizer thread
+        self._tokenizing_since = time.monotonic()
+        try:
+            return method(self.processor, *args)
+        finally:
+            self._tokenizing_since = None
 
     # ---- event loop ---------------------------------------------------------------------------------------
 
@@ -248,41 +242,21 @@ class AsyncLLMEngine:
             raise EngineClosedError("the engine is shut down")
         loop = asyncio.get_running_loop()
         self._loop = loop
-        admitted = self._admission(len(requests))
-        try:
-            return await self._add_requests(requests, admitted, priority)
-        finally:
-            admitted()  # tokenizing failed, or the caller went away before the engine took them
-
-    def _admission(self, n: int) -> Callable[[], None]:
-        # Counts n requests as on their way to the engine; the returned function (idempotent) ends that.
         with self._lock:
-            self._admitting += n
-        done = False
-
-        def end() -> None:
-            nonlocal done
-            with self._lock:
-                if not done:
-                    done = True
-                    self._admitting -= n
-            self._wakeup.set()
-
-        return end
+            self._admitting += len(requests)
+        admission = _Admission(self, len(requests))
+        try:
+            return await self._add_requests(requests, admission, priority)
+        finally:
+            admission.end()  # tokenizing failed, or the caller went away before the engine took them
 
     async def _add_requests(self, requests: Sequence[tuple[str, PromptInput, SamplingParams]],
-                            admitted: Callable[[], None], priority: int) -> OutputStream:
-        client_id = requests[0][0] if requests else None
-
-        def process(proc: Processor) -> list:
-            return [proc.process(rid, prompt, params, priority=priority, client_request_id=client_id)
-                    for rid, prompt, params in requests]
-
-        processed = await self._on_tokenizer_thread(process)
+                            admission: _Admission, priority: int) -> OutputStream:
+        processed = await self._on_tokenizer_thread(Processor.process_all, requests, priority)
         if any(p.grammar_future is not None for p in processed):
             # Grammars compile on their own threads; waiting here (not on the tokenizer thread) holds up
             # nobody else's request, nor the engine (which waits only for tokenizing: a compile may take seconds).
-            admitted()
+            admission.end()
             grammars = self.processor.grammars
             compiled = await asyncio.gather(*(grammars.wait_async(p.grammar_future) for p in processed
                                               if p.grammar_future is not None))
@@ -298,11 +272,7 @@ class AsyncLLMEngine:
             self._streams[p.request_id] = stream
         core_reqs = [r for p in processed for r in p.core_requests]
         try:
-            def add(core: Any) -> None:
-                admitted()
-                core.add_requests(core_reqs)
-
-            await self._on_engine_thread(add)
+            await self._call(AddRequests(core_reqs), admission)
         except BaseException:
             # Not added (validation in the core), or the caller went away: forget them here and in the core.
             self.abort(ids)
@@ -348,7 +318,7 @@ class AsyncLLMEngine:
     def _finish_in_core(self, core_ids: list[str], status: RequestStatus) -> None:
         if core_ids:
             try:
-                self._submit(lambda: self.core.finish_requests(core_ids, status))
+                self._submit(_Queued(FinishRequests(core_ids, status)))
             except EngineClosedError:
                 pass  # shutdown frees everything anyway
 
@@ -361,7 +331,7 @@ class AsyncLLMEngine:
         except RuntimeError:  # the loop is closed: nobody reads these requests any more
             pass
 
-    def _submit(self, command: Callable[[], None]) -> None:
+    def _submit(self, command: _Queued) -> None:
         with self._lock:
             if self._closed:
                 raise EngineClosedError("the engine is shut down")
@@ -470,16 +440,49 @@ class AsyncLLMEngine:
     def _run_commands(self) -> None:
         while True:
             try:
-                command = self._commands.get_nowait()
+                queued = self._commands.get_nowait()
             except queue.Empty:
                 return
+            if queued.reply is not None and not queued.reply.set_running_or_notify_cancel():
+                continue  # the caller went away (its add_requests aborts the ids)
+            if queued.admission is not None:
+                queued.admission.end()
             self._busy_since = time.monotonic()
             try:
-                command()
-            except Exception:  # noqa: BLE001 (a broken command must not kill the loop)
-                logger.exception("engine command failed")
+                answer = self._run_command(queued.command)
+            except Exception as exc:  # noqa: BLE001 (the caller's error, or logged: the loop goes on)
+                if queued.reply is None:
+                    logger.exception("engine command %s failed", type(queued.command).__name__)
+                else:
+                    queued.reply.set_exception(exc)
+            else:
+                if queued.reply is not None:
+                    queued.reply.set_result(answer)
             finally:
                 self._busy_since = None
+
+    def _run_command(self, command: EngineCommand) -> Any:
+        core = self.core
+        match command:
+            case AddRequests(requests):
+                core.add_requests(requests)
+            case FinishRequests(req_ids, status):
+                core.finish_requests(req_ids, status)
+            case TakeKVSnapshot():
+                stats = core.stats
+                return capture_kv_state(core.scheduler), {
+                    "time": time.time(), "num_steps": stats.num_steps,
+                    "prompt_tokens_total": stats.num_prompt_tokens_total,
+                    "generation_tokens_total": stats.num_generation_tokens_total,
+                    "step_time_total_s": stats.step_time_total}
+            case AddFinishedHook(hook):
+                core.stats.on_finished.append(hook)
+            case ClearWarmup():
+                core.clear_warmup()
+                self._take_snapshot()  # /metrics reads the snapshot
+            case _:
+                raise TypeError(f"not an engine command: {command!r}")
+        return None
 
     def _take_snapshot(self) -> None:
         stats = self.core.stats

@@ -11,7 +11,7 @@ import dataclasses
 import os
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 from pagedserve.config import ModelConfig, SchedulerConfig, StructuredOutputsConfig
 from pagedserve.messages import EngineCoreRequest
@@ -111,6 +111,20 @@ class Processor:
         self._check_num_tokens(len(ids))
         return text, ids
 
+    def tokenize_all(self, prompts: Sequence[PromptInput]) -> list[tuple[str | None, list[int]]]:
+        return [self.tokenize(p) for p in prompts]
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        # A text's token ids, as /tokenize reports them (its length checked first).
+        self.check_text_length(text)
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
+        return self.tokenizer.decode(token_ids)
+
     def check_text_length(self, text: str, what: str = "the prompt") -> None:
         self._check_num_chars(len(text), what)
 
@@ -189,6 +203,14 @@ class Processor:
                                           priority=priority, client_request_id=client_request_id or request_id))
         return ProcessedRequest(request_id, prompt_text, prompt_ids, params, reqs, num_returned, keep_logprobs,
                                 grammar_future)
+
+    def process_all(self, requests: Sequence[tuple[str, PromptInput, SamplingParams]],
+                    priority: int = 0) -> list[ProcessedRequest]:
+        # The prompts of one client request, named by its first request id (the scheduler is fair between
+        # client requests).
+        client_id = requests[0][0] if requests else None
+        return [self.process(rid, prompt, params, priority=priority, client_request_id=client_id)
+                for rid, prompt, params in requests]
 
     def apply_chat_template(self, messages: list[dict[str, Any]], chat_template: str | None = None,
                             add_generation_prompt: bool = True, **kwargs: Any) -> str:
