@@ -21,12 +21,11 @@ def make_backend(request):
     from pagedserve.attention.cpu_paged import CpuPagedAttentionBackend
 
     variant_ops = kernels.load_isa(request.param)
-    return lambda max_kernel_q_len: CpuPagedAttentionBackend(variant_ops, max_kernel_q_len)
+    return lambda: CpuPagedAttentionBackend(variant_ops)
 
 
-@pytest.mark.parametrize("max_kernel_q_len", [-1, 4, 0])  # all in the kernel / mixed / all via SDPA
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2), (6, 1)])
-def test_kernel_matches_dense(make_backend, max_kernel_q_len: int, num_heads: int, num_kv_heads: int) -> None:
+def test_kernel_matches_dense(make_backend, num_heads: int, num_kv_heads: int) -> None:
     gen = torch.Generator().manual_seed(0)
     total_lens = [sum(c) for c in CHUNKS]
     scale = HEAD_DIM ** -0.5
@@ -37,7 +36,7 @@ def test_kernel_matches_dense(make_backend, max_kernel_q_len: int, num_heads: in
     num_blocks = 40
     tables = scattered_block_tables(total_lens, BLOCK_SIZE, num_blocks)
     kv_cache = 100 * torch.randn(2, num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM, generator=gen)
-    got = run_backend_chunks(make_backend(max_kernel_q_len), qs, ks, vs, tables, kv_cache, scale)
+    got = run_backend_chunks(make_backend(), qs, ks, vs, tables, kv_cache, scale)
     for i, (g, e) in enumerate(zip(got, expected)):
         torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-5, msg=lambda m: f"sequence {i}: {m}")
 
@@ -62,11 +61,10 @@ def test_kernel_matches_reference(make_backend, head_dim: int, block_size: int) 
     scale = head_dim ** -0.5
     ref_cache = cache.clone()
     expected = ReferenceAttentionBackend().forward(q, k, v, ref_cache, meta, scale)
-    for limit in (-1, 16):
-        got_cache = cache.clone()
-        got = make_backend(limit).forward(q, k, v, got_cache, meta, scale)
-        torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
-        assert torch.equal(got_cache, ref_cache)
+    got_cache = cache.clone()
+    got = make_backend().forward(q, k, v, got_cache, meta, scale)
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
+    assert torch.equal(got_cache, ref_cache)
 
 
 def test_auto_backend_picks_kernel_on_cpu() -> None:
@@ -94,7 +92,7 @@ def test_windowed_kernel_matches_reference(make_backend, window, softcap, head_d
     k, v = (torch.randn(n, num_kv_heads, head_dim, generator=gen) for _ in range(2))
     ref_cache = cache.clone()
     want = ReferenceAttentionBackend(window, softcap).forward(q, k, v, ref_cache, meta, 0.3)
-    backend = make_backend(-1).with_window(window, softcap)
+    backend = make_backend().with_window(window, softcap)
     if window is not None:  # blocks outside every window: of the 81-token chunk and of the two decodes at 60
         poisoned = tables[3][:(64 - window + 1) // block_size] + tables[1][:(60 - window + 1) // block_size]
         cache[:, poisoned] = float("nan")

@@ -3,8 +3,8 @@
 One kernel call per layer writes this step's K/V and attends every sequence, decode and prefill chunks
 alike (kernels/csrc/paged_attention.cpp). Measured against the reference backend's gather + SDPA on one
 core (benchmarks/HISTORY.md, "Profile"): decode 5-10x faster, prefill chunks of 16-512 tokens 1.2-2x, so
-by default nothing goes to SDPA. max_kernel_q_len >= 0 sends longer chunks to the reference's per-sequence
-SDPA instead (kept for other CPUs where torch's GEMM-based SDPA may win on long chunks). On CPUs with AMX the
+every sequence runs in the kernel (the op's max_q_len argument, which left longer chunks to SDPA, is always
+-1: that split was used by tests only and is gone from Python). On CPUs with AMX the
 bf16 prefill tiles run on AMX tiles: 3-3.7x the AVX-512 tiles (benchmarks/HISTORY.md, "AMX prefill attention").
 
 The kernel takes float32 or bfloat16 activations and reads float32, bfloat16, int8 and fp8 e4m3 caches
@@ -25,7 +25,7 @@ import torch
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.attention.reference import ReferenceAttentionBackend
 
-MAX_KERNEL_Q_LEN = -1  # < 0: every sequence runs in the kernel
+ALL_IN_KERNEL = -1  # the op's max_q_len: < 0 runs every sequence in the kernel
 QUERY_DTYPES = (torch.float32, torch.bfloat16)
 CACHE_DTYPES = tuple(d for d in (torch.float32, torch.bfloat16, torch.int8, getattr(torch, "float8_e4m3fn", None))
                      if d is not None)
@@ -38,29 +38,25 @@ def kernel_supports(query_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
 class CpuPagedAttentionBackend:
     name = "cpu"
 
-    def __init__(self, ops, max_kernel_q_len: int = MAX_KERNEL_Q_LEN, sliding_window: int | None = None,
-                 logit_softcap: float | None = None, batch_invariant: bool = False) -> None:
+    def __init__(self, ops, sliding_window: int | None = None, logit_softcap: float | None = None,
+                 batch_invariant: bool = False) -> None:
         self.ops = ops
-        self.max_kernel_q_len = max_kernel_q_len
         self.sliding_window = sliding_window
         self.logit_softcap = logit_softcap
         self.batch_invariant = batch_invariant
         self._reference = ReferenceAttentionBackend(sliding_window, logit_softcap)
 
     def with_window(self, sliding_window: int | None, logit_softcap: float | None) -> CpuPagedAttentionBackend:
-        return CpuPagedAttentionBackend(self.ops, self.max_kernel_q_len, sliding_window, logit_softcap,
-                                        self.batch_invariant)
+        return CpuPagedAttentionBackend(self.ops, sliding_window, logit_softcap, self.batch_invariant)
 
     def with_batch_invariance(self, on: bool) -> CpuPagedAttentionBackend:
-        if on and self.max_kernel_q_len >= 0:
-            raise ValueError("batch-invariant attention runs every sequence in the kernel (max_kernel_q_len < 0)")
-        return CpuPagedAttentionBackend(self.ops, self.max_kernel_q_len, self.sliding_window, self.logit_softcap, on)
+        return CpuPagedAttentionBackend(self.ops, self.sliding_window, self.logit_softcap, on)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
         if query.device.type != "cpu" or not kernel_supports(query.dtype, kv_cache.dtype):
             return self._reference.forward(query, key, value, kv_cache, meta, scale)
-        limit = self.max_kernel_q_len
+        limit = ALL_IN_KERNEL
         if self.sliding_window is None and self.logit_softcap is None and not self.batch_invariant:
             out = self.ops.paged_attention(query, key, value, kv_cache, meta.slot_mapping, meta.block_tables,
                                            meta.seq_lens, meta.query_start_loc, scale, limit)
@@ -69,11 +65,4 @@ class CpuPagedAttentionBackend:
                 query, key, value, kv_cache, meta.slot_mapping, meta.block_tables, meta.seq_lens,
                 meta.query_start_loc, scale, limit, self.sliding_window or 0, self.logit_softcap or 0.0,
                 self.batch_invariant)
-        if limit >= 0 and max(meta.query_lens_list) > limit:
-            start = 0
-            for i, q_len in enumerate(meta.query_lens_list):
-                if q_len > limit:
-                    out[start:start + q_len] = self._reference._prefill_one(
-                        query[start:start + q_len], kv_cache, meta.block_tables[i], meta.seq_lens_list[i], scale)
-                start += q_len
         return out

@@ -13,6 +13,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from pagedserve.kv_spec import num_kv_heads_of
+
 # How long a collective waits for the slowest rank. The ranks run the same step in lockstep, so the wait is
 # their skew (milliseconds); a minute means a rank is gone or stuck.
 DEFAULT_TIMEOUT_S = 60.0
@@ -86,7 +88,7 @@ def threads_per_rank(num_threads: int | None, world_size: int) -> int:
 def check_divisible(hf_config, world_size: int) -> None:
     """Start-up check: every rank must hold a whole number of heads, KV heads and MLP columns."""
     num_heads = hf_config.num_attention_heads
-    num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
+    num_kv_heads = num_kv_heads_of(hf_config)
     problems = []
     if num_heads % world_size:
         problems.append(f"num_attention_heads ({num_heads})")

@@ -222,7 +222,8 @@ class EngineCore:
             out.stats = RequestStats.from_request(req)
             outputs.append(out)
         if result.prompt_logprobs:
-            outputs.extend(self._prompt_logprob_outputs(result.prompt_logprobs, {o.req_id for o in outputs}))
+            outputs.extend(_prompt_logprob_outputs(result.prompt_logprobs, {o.req_id for o in outputs},
+                                                   self.scheduler.requests))
         if result.spec is not None:
             self.stats.spec.record(result.spec)
         if result.draft_token_ids is not None:
@@ -271,18 +272,6 @@ class EngineCore:
             kept.append(req)
         return kept
 
-    def _prompt_logprob_outputs(self, chunks: dict[str, PromptLogprobsChunk],
-                                taken: set[str]) -> list[EngineCoreOutput]:
-        extra = []
-        for req_id, chunk in chunks.items():
-            if req_id in taken:
-                continue  # travels with the request's sampled token
-            req = self.scheduler.requests.get(req_id)
-            if req is not None:
-                extra.append(EngineCoreOutput(req_id, [], prompt_logprobs=chunk,
-                                              num_cached_tokens=req.num_cached_tokens))
-        return extra
-
     def _execute(self, plan: SchedulerOutput, failures: _StepFailures, propose_drafts: bool) -> ModelRunnerOutput:
         # The plan's bookkeeping is applied once; a failure there is the engine's, not a request's.
         self.executor.apply_plan(plan)
@@ -307,6 +296,19 @@ class EngineCore:
                 logger.exception("request %s failed inside a step", req_id)
                 failures.errors[req_id] = describe_error(exc)
         return ModelRunnerOutput.merge(parts)
+
+
+def _prompt_logprob_outputs(chunks: dict[str, PromptLogprobsChunk], taken: set[str],
+                            requests: dict[str, Request]) -> list[EngineCoreOutput]:
+    # Prompt logprobs of requests whose step sampled nothing (a prompt chunk short of its end).
+    extra = []
+    for req_id, chunk in chunks.items():
+        if req_id in taken:
+            continue  # travels with the request's sampled token
+        req = requests.get(req_id)
+        if req is not None:
+            extra.append(EngineCoreOutput(req_id, [], prompt_logprobs=chunk, num_cached_tokens=req.num_cached_tokens))
+    return extra
 
 
 def _emitted_logprobs(result: ModelRunnerOutput, j: int, num_tokens: int) -> SampledLogprobs:

@@ -72,7 +72,7 @@ def load():
 
 
 def selected_isa() -> str | None:
-    # The variant load() chose ("avx512", "avx2", "baseline"), or None when the kernels are off or unavailable.
+    # The variant load() chose ("amx", "avx512", "avx2", "baseline"), or None when the kernels are off or unavailable.
     load()
     return _state["isa"]
 

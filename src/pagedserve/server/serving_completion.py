@@ -41,7 +41,7 @@ def legacy_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]], num
 
 def echo_logprobs(out: RequestOutput, first_token: str, num_top: int) -> CompletionLogprobs:
     # OpenAI's echo with logprobs: the prompt's tokens come first. Nothing predicts the first one, so its
-    # logprob and top alternatives are null; first_token is its text (decoded on the engine thread).
+    # logprob and top alternatives are null; first_token is its text (the output processor's memoized decode, on the event loop).
     entries = (out.prompt_logprobs or [None])[1:]
     rest = legacy_logprobs(out.prompt_token_ids[1:], entries, num_top, len(first_token))  # type: ignore[arg-type]
     return joined(CompletionLogprobs(text_offset=[0], token_logprobs=[None], tokens=[first_token],

@@ -56,7 +56,7 @@ class DecoderStack:
         for layer in layers:
             attn = layer.self_attn
             backend = attn.attn_backend
-            if (not isinstance(backend, CpuPagedAttentionBackend) or backend.max_kernel_q_len >= 0
+            if (not isinstance(backend, CpuPagedAttentionBackend)
                     or backend.sliding_window is not None or backend.logit_softcap is not None
                     or attn.rotary_emb is not layers[0].self_attn.rotary_emb or not attn.rotary_emb.max_positions):
                 return None

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.distributed.parallel_state import TensorParallelGroup, check_divisible
+from pagedserve.kv_spec import head_dim_of, num_kv_heads_of
 from pagedserve.model.layers.linear import Linear
 
 # Checkpoint name suffix -> the dim split across ranks. Column-parallel weights split their output rows,
@@ -47,11 +48,10 @@ def shard_config(hf_config, world_size: int):
     """The config of one rank's slice of the model (a copy; the full config stays the engine's)."""
     check_divisible(hf_config, world_size)
     local = copy.deepcopy(hf_config)
-    num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
     # head_dim must be explicit: hidden_size // local heads would be wrong.
-    local.head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    local.head_dim = head_dim_of(hf_config)
     local.num_attention_heads = hf_config.num_attention_heads // world_size
-    local.num_key_value_heads = num_kv_heads // world_size
+    local.num_key_value_heads = num_kv_heads_of(hf_config) // world_size
     local.intermediate_size = hf_config.intermediate_size // world_size
     local.vocab_size = vocab_shard_size(hf_config.vocab_size, world_size)
     return local
