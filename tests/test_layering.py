@@ -169,3 +169,8 @@ def test_no_closure_crosses_a_thread() -> None:
     bad = [ast.unparse(n) for n in hops for a in n.args
            if isinstance(a, ast.Lambda) or isinstance(a, ast.Name) and a.id in nested]
     assert not bad
+    # Below the engine thread a step is plain calls (the ranks get (method name, arguments) over a pipe).
+    for module in ("pagedserve.engine.core", "pagedserve.worker.executor", "pagedserve.worker.worker",
+                   "pagedserve.distributed.executor", "pagedserve.distributed.rank_process"):
+        tree = ast.parse(open(MODULES[module], encoding="utf-8").read())
+        assert not [n for n in ast.walk(tree) if isinstance(n, ast.Lambda)], module

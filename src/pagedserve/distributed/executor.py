@@ -187,18 +187,14 @@ class MultiprocExecutor(Executor):
         self._plan = plan if plan.grammar is None else dataclasses.replace(plan, grammar=None)
 
     def execute_model(self, num_scheduled_tokens: dict[str, int], propose_drafts: bool = True) -> ModelRunnerOutput:
-        # A call without a new plan (the core isolating a failing request) sends only the ids.
+        # Every worker runs the step (with the plan applied on rank 0 since the last one; a call without a new
+        # plan, the core isolating a failing request, sends only the ids), rank 0 here; then the ranks must agree.
         plan, self._plan = self._plan, None
-        run_local = lambda: super(MultiprocExecutor, self).execute_model(num_scheduled_tokens, propose_drafts)  # noqa: E731
-        if plan is None:
-            return self.call("execute_model", (num_scheduled_tokens, propose_drafts), run_local)
-        return self.call("step", (plan, num_scheduled_tokens, propose_drafts), run_local)
-
-    def call(self, method: str, args: tuple, local):
-        """Run `method(*args)` on every worker and local() on rank 0, and check that the ranks agree."""
-        self._send(method, args)
+        method = "execute_model" if plan is None else "step"
+        self._send(method, (num_scheduled_tokens, propose_drafts) if plan is None
+                   else (plan, num_scheduled_tokens, propose_drafts))
         try:
-            result = local()
+            result = super().execute_model(num_scheduled_tokens, propose_drafts)
         except Exception as exc:  # noqa: BLE001 (classified below against the workers' answers)
             errors = self._answers(answer_wait_s(self.timeout_s), cause=exc)
             if all(e == describe_error(exc) for e in errors):
