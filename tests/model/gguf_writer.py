@@ -11,8 +11,11 @@ metadata keys and tensor edits per architecture:
     phi3     attn_qkv and ffn_up fused as in the checkpoint, rope.dimension_count, sliding_window (0: none),
              rope.scaling.original_context_length, rope_factors_long / rope_factors_short tensors, attn_factor
     qwen3    the plain names, key_length
+    qwen2    the plain names (q/k/v biases too)
+    llama    q and k rows permuted (LlamaModel.permute), rope.dimension_count, and for llama3 rope scaling the
+             rope_freqs tensor (one divisor per frequency) instead of scaling keys
 
-and a sentencepiece vocabulary (gemma, phi3: tokenizer model "llama") or a byte-level BPE one (qwen3): the
+and a sentencepiece vocabulary (gemma, phi3, llama: tokenizer model "llama") or a byte-level BPE one (qwen): the
 256 bytes and one merge, so " t" is one token.
 """
 from __future__ import annotations
@@ -66,9 +69,14 @@ def write_gguf(path: str, arch: str, hf_model, config) -> None:
         data = tensor.numpy().astype(np.float32)
         if arch.startswith("gemma") and name.endswith("norm.weight"):
             data = data + np.float32(1)  # the converter's norm shift: Gemma's RMSNorm scales by 1 + w
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
+            data = data.reshape(heads, 2, data.shape[0] // heads // 2, *data.shape[1:]).swapaxes(1, 2).reshape(data.shape)
         w.add_tensor(gguf_name(name, arch), data)
     if arch == "phi3":
         _add_rope_factors(w, config)
+    if arch == "llama" and config.rope_parameters.get("rope_type") == "llama3":
+        _add_rope_freqs(w, config)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -112,7 +120,27 @@ def _qwen3(w, config) -> None:
     w.add_rope_freq_base(config.rope_parameters["rope_theta"])
 
 
-_METADATA = {"gemma2": _gemma2, "gemma3": _gemma3, "phi3": _phi3, "qwen3": _qwen3}
+def _qwen2(w, config) -> None:
+    w.add_rope_freq_base(config.rope_parameters["rope_theta"])
+
+
+def _llama(w, config) -> None:
+    w.add_vocab_size(config.vocab_size)
+    w.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
+    w.add_rope_freq_base(config.rope_parameters["rope_theta"])
+
+
+def _add_rope_freqs(w, config) -> None:
+    # The converter's factors are the default frequencies over llama3's: 1, the factor, or the smoothed ratio.
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    head_dim = config.hidden_size // config.num_attention_heads
+    default = 1.0 / (config.rope_parameters["rope_theta"] ** (np.arange(0, head_dim, 2) / head_dim))
+    scaled = ROPE_INIT_FUNCTIONS["llama3"](config, None)[0].double().numpy()
+    w.add_tensor("rope_freqs.weight", (default / scaled).astype(np.float32))
+
+
+_METADATA = {"gemma2": _gemma2, "gemma3": _gemma3, "phi3": _phi3, "qwen3": _qwen3, "qwen2": _qwen2, "llama": _llama}
 
 
 def _add_rope_factors(w, config) -> None:
@@ -125,7 +153,7 @@ def _add_rope_factors(w, config) -> None:
 
 
 def _add_vocab(w, arch: str) -> None:
-    if arch == "qwen3":
+    if arch in ("qwen2", "qwen3"):
         w.add_tokenizer_model("gpt2")
         w.add_token_list(BPE_TOKENS)
         w.add_token_types([1] * len(BPE_TOKENS))

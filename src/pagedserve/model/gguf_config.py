@@ -1,6 +1,6 @@
 """What a GGUF file says about its family beyond what transformers' GGUF config reader keeps.
 
-transformers reads the shapes (layers, heads, hidden size, rope base) of a gemma2, gemma3 or phi3 file but
+transformers reads the shapes (layers, heads, hidden size, rope base) of a llama, gemma2, gemma3 or phi3 file but
 drops the settings that make the family: soft-capping, which layers slide and by how much, the local layers'
 rope base, the longrope factors. `complete_config` puts them back into the config dict from llama.cpp's own
 keys (as its convert_hf_to_gguf.py writes them), and where the file has no key, from the value llama.cpp
@@ -13,6 +13,7 @@ assumes when it runs the same file (llama-model.cpp's load_hparams), so both eng
             rope.freq_base_swa (absent: 10000) for the sliding ones, final_logit_softcapping if present
     both    query_pre_attn_scalar: hidden / heads for the 27B shapes (46 and 62 layers), else head_dim
             (llama.cpp has no key for it); attention.sliding_window_pattern overrides the layer pattern
+    llama   the rope_freqs tensor (Llama 3.x rope scaling: per-frequency divisors) as rope_freq_factors
     phi3    rope.dimension_count (partial rotary), attention.sliding_window (0: none, Phi-4),
             rope.scaling.original_context_length and the rope_factors_long / rope_factors_short tensors
             (longrope), rope.scaling.attn_factor
@@ -35,6 +36,8 @@ _SWA_PATTERN = {"gemma2": 2, "gemma3": 6}
 def complete_config(config: dict, gguf: GGUFFile) -> dict:
     """config (transformers' reading of the file, as a dict) with the family's settings filled in."""
     arch = gguf.fields.get("general.architecture")
+    if arch == "llama":
+        return _llama_rope_freqs(config, gguf)
     if arch not in FAMILY_ARCHITECTURES:
         return config
     config = dict(config)
@@ -106,6 +109,21 @@ def _phi3(config: dict, gguf: GGUFFile, key, head_dim: int) -> None:
     config["rope_parameters"] = rope
     for stale in ("rope_theta", "rope_scaling", "partial_rotary_factor"):
         config.pop(stale, None)
+
+
+def _llama_rope_freqs(config: dict, gguf: GGUFFile) -> dict:
+    # Llama 3.x rope scaling: the converter writes no scaling keys but a rope_freqs tensor, one divisor per
+    # frequency (llama.cpp divides each rotation angle by it); kept as such (layers/rotary.py: rope_freq_factors).
+    tensor = next((t for t in gguf.tensors if t.name == "rope_freqs.weight"), None)
+    if tensor is None:
+        return config
+    config = dict(config)
+    theta = float(gguf.fields.get("llama.rope.freq_base", config.get("rope_theta", 10_000.0)))
+    config["rope_parameters"] = {"rope_type": "default", "rope_theta": theta}
+    config["rope_freq_factors"] = _floats(gguf, tensor)  # beside rope_parameters: transformers warns on its keys
+    for stale in ("rope_theta", "rope_scaling"):
+        config.pop(stale, None)
+    return config
 
 
 def _floats(gguf: GGUFFile, t) -> list[float]:

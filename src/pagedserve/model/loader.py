@@ -165,10 +165,14 @@ def _as_dtype(dtype: torch.dtype | str) -> torch.dtype:
     return resolved
 
 
+# Bumped when what a conversion writes changes (2: a Llama 3.x file's rope_freqs in config.json).
+CONVERSION_VERSION = 2
+
+
 def _cache_dir_for(path: str, name: str) -> str:
     # Size and mtime in the key: replacing the file in place invalidates the conversion.
     st = os.stat(path)
-    key = hashlib.sha256(f"{path}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    key = hashlib.sha256(f"{path}|{st.st_size}|{st.st_mtime_ns}|{CONVERSION_VERSION}".encode()).hexdigest()[:16]
     return os.path.join(envs.cache_dir(), f"{name}-{key}")
 
 

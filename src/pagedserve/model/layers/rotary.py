@@ -57,7 +57,14 @@ def compute_inv_freq(hf_config, head_dim: int, layer_type: str | None = None,
     if rope_type == "default":
         dim = rotary_dim(hf_config, head_dim, layer_type)
         exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
-        return 1.0 / (params["rope_theta"] ** exponents), 1.0
+        inv_freq = 1.0 / (params["rope_theta"] ** exponents)
+        freq_factors = getattr(hf_config, "rope_freq_factors", None)
+        if freq_factors is not None:  # a Llama 3.x GGUF's rope_freqs tensor (model/gguf_config.py)
+            factors = torch.tensor(freq_factors, dtype=torch.float32)
+            if factors.numel() != inv_freq.numel():
+                raise ValueError(f"rope freq_factors has {factors.numel()} entries, expected {inv_freq.numel()}")
+            inv_freq = inv_freq / factors
+        return inv_freq, 1.0
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     kwargs = {} if layer_type is None else {"layer_type": layer_type}
