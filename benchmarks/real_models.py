@@ -85,6 +85,9 @@ def main() -> int:
     p.add_argument("--gguf", default=None, help="the GGUF pagedserve and llama.cpp serve (default: the embedded model)")
     p.add_argument("--num-threads", type=int, default=2)
     p.add_argument("--dtype", default="auto", help="pagedserve's --dtype (default auto)")
+    p.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="pagedserve's --tokenizer: the HF directory's, for build_models.py's gemma-3-1b, whose GGUF "
+                        "holds a byte-level BPE vocabulary that transformers' Gemma GGUF reader does not read")
     p.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--kv-cache-memory", type=int, default=2 << 30)
@@ -102,7 +105,8 @@ def main() -> int:
     specs = {"pagedserve": ([sys.executable, "-m", "pagedserve.cli", "serve", "--model", args.gguf, "--dtype",
                              args.dtype, "--num-threads", str(args.num_threads), "--max-model-len",
                              str(args.max_model_len), "--kv-cache-memory", str(args.kv_cache_memory),
-                             "--uvicorn-log-level", "warning"], {}, 300.0),
+                             "--uvicorn-log-level", "warning",
+                             *(["--tokenizer", args.tokenizer] if args.tokenizer else [])], {}, 300.0),
              **peer_specs(args, lambda: args.gguf)}
     # SIGTERM (e.g. from `timeout`) unwinds, so the servers (own process groups) are stopped below.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
