@@ -24,8 +24,9 @@ from tests.model.test_gguf_blocks import as_weight, raw_blocks, reference
 
 ISAS = kernels.parity_isas()
 pytestmark = pytest.mark.skipif(not ISAS, reason="the compiled kernels could not be built here")
-# every type the kernel has (the dispatcher picks it for gguf_quant.INT8_TYPES); Q8_0 needs VNNI
-KERNEL_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
+# every type the kernel has (the dispatcher picks it for gguf_quant.INT8_TYPES); Q8_0 and IQ4_XS need VNNI
+KERNEL_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS]
+VNNI_ONLY = (T.Q8_0, T.IQ4_XS)
 ROWS = (1, 2, 3, 4, 5, 8, 17, 31, 32, 64, 70, 301)
 
 
@@ -104,9 +105,9 @@ def test_int8_kernel_matches_quantized_x(isa_name: str, qtype, numerics) -> None
     x[6, :256] = 0  # an all-zero group
     xb = x.bfloat16()
     bias = torch.randn(rows, generator=gen)
-    ways = [dot for dot in dots(ops) if dot is not False or qtype != T.Q8_0]  # None: the same as one of the others
-    if qtype == T.Q8_0:  # VNNI only
-        with pytest.raises(RuntimeError, match="needs AVX512-VNNI|type 8 has no int8 kernel"):
+    ways = [dot for dot in dots(ops) if dot is not False or qtype not in VNNI_ONLY]  # None: as one of the others
+    if qtype in VNNI_ONLY:
+        with pytest.raises(RuntimeError, match=f"needs AVX512-VNNI|type {int(qtype)} has no int8 kernel"):
             ops.gemm_gguf_int8(x[:1], w, int(qtype), None, False)
         assert int(qtype) not in ops.gguf_int8_types(False)
         if True not in ways:
@@ -196,8 +197,10 @@ def test_int8_bad_input() -> None:
     if ops is None:
         pytest.skip("no kernel variant here has the int8 kernel")
     w = torch.from_numpy(raw_blocks(T.Q4_K, 4, 256, np.random.default_rng(0)))
-    with pytest.raises(RuntimeError, match="GGML type 23 has no int8 kernel"):  # IQ4_XS
-        ops.gemm_gguf_int8(torch.randn(1, 256), torch.zeros(4, 136, dtype=torch.uint8), int(T.IQ4_XS), None)
+    with pytest.raises(RuntimeError, match="GGML type 1 has no kernel"):  # F16
+        ops.gemm_gguf_int8(torch.randn(1, 256), torch.zeros(4, 512, dtype=torch.uint8), int(T.F16), None)
+    with pytest.raises(RuntimeError, match="type 23 needs AVX512-VNNI|GGML type 23 has no int8 kernel"):  # IQ4_XS
+        ops.gemm_gguf_int8(torch.randn(1, 256), torch.zeros(4, 136, dtype=torch.uint8), int(T.IQ4_XS), None, False)
     with pytest.raises(RuntimeError, match="gemm_gguf_int8: x has 128 features, the weight's rows hold 256"):
         ops.gemm_gguf_int8(torch.randn(1, 128), w, int(T.Q4_K), None)
     with pytest.raises(RuntimeError, match="x must be Float or BFloat16"):
@@ -251,3 +254,30 @@ def test_dispatcher_picks_int8_for_q5(isa_name: str, qtype, monkeypatch) -> None
             if want:
                 parts = [ops.gemm_gguf_int8(x[:m], p, t, None) for t, p in zip(w.qtypes, w.parts)]
                 assert torch.equal(gguf_linear(x[:m], w, None), torch.cat(parts, dim=1))
+
+
+@pytest.mark.parametrize("isa_name", ISAS)
+def test_dispatcher_picks_int8_for_iq4_xs(isa_name: str, monkeypatch) -> None:
+    # IQ4_XS alone and fused with a Q6_K part (a k-quant part starts lower: the weight takes int8 where both do):
+    # gemm_gguf_int8 for INT8_IQ4_ROWS rows on avx512 / amx where the CPU has VNNI, else the float kernels
+    rng = np.random.default_rng(23)
+    raws = [(T.IQ4_XS, raw_blocks(T.IQ4_XS, 8, 512, rng)), (T.Q6_K, raw_blocks(T.Q6_K, 8, 512, rng))]
+    iq4 = as_weight(raws[0][1], T.IQ4_XS, 512)
+    fused = concat_rows([as_weight(r, t, 512) for t, r in raws])
+    refs = [reference(raws[0][1], T.IQ4_XS).double(), torch.cat([reference(r, t) for t, r in raws]).double()]
+    low, high = gguf_quant.INT8_IQ4_ROWS
+    x = torch.randn(high + 1, 512, generator=torch.Generator().manual_seed(0))
+    monkeypatch.setenv("PAGEDSERVE_GGUF_INT8", "1")
+    with kernels.use_isa(isa_name) as ops:
+        on = isa_name in ("avx512", "amx") and int(T.IQ4_XS) in ops.gguf_int8_types()
+        for w, ref in zip((iq4, fused), refs):
+            choice = kernel_choice(ops, torch.float32, w.qtypes)
+            for m in (1, low - 1, low, high, high + 1):
+                int8 = on and low <= m <= high
+                assert (choice.path(m) == "int8") == int8, (m, choice)
+                y = gguf_linear(x[:m], w, None)
+                if int8:
+                    parts = [ops.gemm_gguf_int8(x[:m], p, t, None) for t, p in zip(w.qtypes, w.parts)]
+                    assert torch.equal(y, torch.cat(parts, dim=1))
+                else:
+                    torch.testing.assert_close(y.double(), x[:m].double() @ ref.T, rtol=1e-5, atol=1e-5)

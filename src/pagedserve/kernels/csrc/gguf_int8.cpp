@@ -32,7 +32,7 @@ namespace {
 
 using namespace pagedserve::gguf;
 
-// vnni: None the dot products gemm_gguf_int8 takes by default; False those without VNNI (no Q8_0); True
+// vnni: None the dot products gemm_gguf_int8 takes by default; False those without VNNI (no Q8_0, IQ4_XS); True
 // VNNI's (none without it)
 std::vector<int64_t> gguf_int8_types(c10::optional<bool> vnni) {
 #if defined(PAGEDSERVE_GGUF_INT8)
@@ -122,6 +122,7 @@ at::Tensor gemm_gguf_int8(const at::Tensor& x, const at::Tensor& w, int64_t type
     PAGEDSERVE_INT8_CASE(kQ4_K)
     PAGEDSERVE_INT8_CASE(kQ5_K)
     PAGEDSERVE_INT8_CASE(kQ6_K)
+    PAGEDSERVE_INT8_CASE(kIQ4_XS)
     default: break;
   }
 #undef PAGEDSERVE_INT8_CASE

@@ -7,11 +7,12 @@
 //     (quants 0..63 times x, pairs summed into int16: at most 2 * 63 * 127, never saturates), then
 //     vpdpwssd (AVX512-VNNI) or vpmaddwd + vpaddd: times the sub-block's integer scale into int32 lanes over
 //     the whole block, and one float multiply-add per block by d * dx;
-//   - blocks of 32 with a float d each (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0): vpdpbusd (VNNI; else vpmaddubsw +
-//     vpmaddwd by ones) into int32 lanes, 8 per block, each scaled by its block's d in float; Q8_0's signed
-//     quants go in offset by 128 (unsigned), whose pair sums would saturate vpmaddubsw: VNNI only;
+//   - blocks of 32 with a float d each (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0; IQ4_XS's sub-blocks of 32, d times
+//     their 6-bit scale): vpdpbusd (VNNI; else vpmaddubsw + vpmaddwd by ones) into int32 lanes, 8 per block,
+//     each scaled by its block's d in float; Q8_0's signed quants and IQ4_XS's values (kIq4Values[nibble],
+//     looked up by vpshufb) go in offset by 128 (unsigned), whose pair sums would saturate vpmaddubsw: VNNI only;
 //   - every type's offset (the weight of quant 0: Q4_K / Q5_K's - dmin * min, Q6_K's - 32 * d * scale,
-//     Q4_0's - 8 d, Q4_1's m, Q8_0's - 128 d, ...) times the sum of x over the same 16 values: one float
+//     Q4_0's - 8 d, Q4_1's m, Q8_0's and IQ4_XS's - 128 d, ...) times the sum of x over the same 16 values: one float
 //     multiply-add of 16 lanes per 256 weights; x's sums per 16 come with its quants (dx * sum of quants).
 // So y = sum over blocks of w . x^ exactly in integers, where x^ = dx * round(x / dx), up to float32
 // rounding of a few products per block: against float x the error is at most sum_k |w_k| dx / 2.
@@ -49,13 +50,14 @@ constexpr int64_t kMaxRows = 64;  // rows of x per pass over the weights
 template <int64_t T>
 constexpr bool kIntScales = T == kQ4_K || T == kQ5_K || T == kQ6_K;
 template <int64_t T>
-constexpr bool kFloatScales = T == kQ4_0 || T == kQ4_1 || T == kQ5_0 || T == kQ5_1 || T == kQ8_0;
-// Q8_0's quants, offset by 128 to unsigned bytes, reach 255: their pair sums saturate vpmaddubsw's int16, so
-// Q8_0 needs VNNI's vpdpbusd (4 products straight into int32): avx512 builds on CPUs with avx512_vnni only.
+constexpr bool kFloatScales = T == kQ4_0 || T == kQ4_1 || T == kQ5_0 || T == kQ5_1 || T == kQ8_0 || T == kIQ4_XS;
+// Q8_0's quants and IQ4_XS's values, offset by 128 to unsigned bytes, reach 255 and 241: their pair sums
+// saturate vpmaddubsw's int16, so they need VNNI's vpdpbusd (4 products straight into int32): avx512 builds on
+// CPUs with avx512_vnni only.
 template <int64_t T>
 constexpr bool kSupported = kIntScales<T> || kFloatScales<T>;
 template <int64_t T>
-constexpr bool kNeedsVnni = T == kQ8_0;
+constexpr bool kNeedsVnni = T == kQ8_0 || T == kIQ4_XS;
 
 // x as int8: rows of kpad (K rounded up to whole groups, zero padded) quants, per group its scale and the
 // scaled sums of its 16-value runs.
@@ -127,15 +129,32 @@ inline __m256i small_block(const uint8_t* b, float& d, float& offset) {
   }
 }
 
-// Group g of 256 weights (8 blocks of 32, fewer in a row's last group: the rest zero) from row `row` of nb
-// blocks.
+// IQ4_XS's sub-block j of 32 (16 bytes of nibbles: values 0..15 low, 16..31 high) as unsigned bytes
+// kIq4Values[nibble] + 128 (one vpshufb), its d * (scale - 32) and offset -128 times that.
+inline __m256i iq4xs_sub_block(const uint8_t* b, int j, float d, float& dj, float& offset) {
+  const __m128i table = _mm_setr_epi8(1, 24, 45, 63, 79, 93, 106, 118, static_cast<char>(129),
+                                      static_cast<char>(141), static_cast<char>(153), static_cast<char>(166),
+                                      static_cast<char>(181), static_cast<char>(197), static_cast<char>(217),
+                                      static_cast<char>(241));  // kIq4Values + 128
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 8 + 16 * j)), low4 = _mm_set1_epi8(15);
+  const __m256i idx = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), low4), _mm_and_si128(bytes, low4));
+  dj = d * static_cast<float>(iq4xs_scale(j, b));
+  offset = -128.f * dj;
+  return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(table), idx);
+}
+
+// Group g of 256 weights (8 blocks of 32, fewer in a row's last group: the rest zero; IQ4_XS: block g's 8
+// sub-blocks) from row `row` of nb blocks.
 template <int64_t T>
 inline void rebuild_small(const uint8_t* row, int64_t g, int64_t nb, Block& u) {
   constexpr int64_t B = Format<T>::kBytes;
   alignas(64) float d[8], offsets[16];
   __m256i q[8];
+  const float iq4_d = T == kIQ4_XS ? f16(row + g * B) : 0.f;
   for (int j = 0; j < 8; ++j) {
-    if (8 * g + j < nb) {
+    if constexpr (T == kIQ4_XS) {
+      q[j] = iq4xs_sub_block(row + g * B, j, iq4_d, d[j], offsets[2 * j]);
+    } else if (8 * g + j < nb) {
       q[j] = small_block<T>(row + (8 * g + j) * B, d[j], offsets[2 * j]);
     } else {
       q[j] = _mm256_setzero_si256(), d[j] = 0.f, offsets[2 * j] = 0.f;
@@ -234,7 +253,7 @@ template <int64_t T, typename Out>
 // The types gemm runs with VNNI's dot products (vnni) or without.
 inline std::vector<int64_t> types(bool vnni) {
   std::vector<int64_t> out{kQ4_0, kQ4_1, kQ5_0, kQ5_1, kQ4_K, kQ5_K, kQ6_K};
-  if (vnni) out.push_back(kQ8_0);
+  if (vnni) out.insert(out.end(), {kQ8_0, kIQ4_XS});
   return out;
 }
 

@@ -28,8 +28,9 @@ and integer dot products (csrc/gguf_int8.h; from 32 rows register-tiled with eac
 csrc/gguf_int8_tiles.h), as llama.cpp does; results differ from the float kernels by x's rounding (at most
 sum |w| * dx / 2 per output). Where the variant also has the few-row int8 kernel for every type of the weight
 (avx512, amx: csrc/gguf_int8_gemv.h, gguf_int8_gemv_types()), int8 starts at 1 row (single-stream decode).
-Q5_0 / Q5_1 weights take it for INT8_Q5_ROWS rows on avx512 / amx. PAGEDSERVE_GGUF_INT8=0 keeps the float
-kernels.
+Q5_0 / Q5_1 weights take it for INT8_Q5_ROWS rows on avx512 / amx, IQ4_XS for INT8_IQ4_ROWS (avx512 / amx on
+CPUs with VNNI); a weight of several types takes it for the rows where all of them do. PAGEDSERVE_GGUF_INT8=0
+keeps the float kernels.
 
 Batch-invariant mode (--batch-invariant, docs/batch_invariance.md): the kernel changing with the number of rows
 is what makes a request's greedy tokens depend on the batch (each kernel rounds differently), so there one kernel
@@ -89,6 +90,14 @@ INT8_GEMV_MIN_ROWS = 1
 # Q4_1 and Q8_0 stay on the float kernels (0.4-0.9x up to 8 rows, 0.9-1.8x above, mixed by shape).
 INT8_Q5_TYPES = (6, 7)
 INT8_Q5_ROWS = (8, 64)
+# IQ4_XS (kIq4Values looked up by vpshufb, offset by 128: VNNI only, so avx512 / amx on CPUs with avx512_vnni)
+# takes gemm_gguf_int8 (gguf_int8.h's driver at every row count) for INT8_IQ4_ROWS rows of x. Llama-1B shapes, weights cold, 1 thread, 2-core EPYC at load ~15 (benchmarks/gguf_gemv.py --model
+# llama1b --types IQ4_XS; wall times 10-40x a quiet run's, so only the ratios mean anything): int8 over gemm_gguf
+# 1.1-1.5x faster at 8 rows, 1.6-2.2x at 16, 2.1-3.0x at 32; 0.3-0.9x at 1-4 rows (no few-row kernel for it).
+# Against dequantized bf16 tiles (--prefill, q/o_proj, load ~20, the process at 4% of a core): 6.9-8.8x at 64
+# rows, 0.96-1.3x at 256; the tiles keep larger prompts until timed on a quiet machine.
+INT8_IQ4_TYPES = (23,)
+INT8_IQ4_ROWS = (8, 256)
 
 
 @dataclass(slots=True)
@@ -193,6 +202,14 @@ def _int8_q5_types(ops) -> frozenset[int]:
 
 
 @functools.cache
+def _int8_iq4_types(ops) -> frozenset[int]:
+    # INT8_IQ4_TYPES where gemm_gguf_int8 multiplies them (avx512, amx variants on a CPU with VNNI)
+    if ops.compiled_isa() not in ("avx512", "amx"):
+        return frozenset()
+    return frozenset(ops.gguf_int8_types()) & frozenset(INT8_IQ4_TYPES)
+
+
+@functools.cache
 def _int8_gemv_types(ops) -> frozenset[int]:
     # The types gemm_gguf_int8's few-row kernel multiplies in this build (none before avx512).
     return frozenset(ops.gguf_int8_gemv_types())
@@ -226,15 +243,26 @@ def kernel_choice(ops, dtype: torch.dtype, qtypes: tuple[int, ...]) -> KernelCho
     return _kernel_choice(ops, dtype, qtypes, envs.gguf_int8())
 
 
+def _int8_rows(ops, dtype: torch.dtype, qtype: int) -> tuple[int, int] | None:
+    # The rows of x (lowest, highest) for which one part of this type takes gemm_gguf_int8; None: never.
+    high = INT8_MAX_ROWS_AMX if dtype == torch.bfloat16 and ops.compiled_isa() == "amx" else sys.maxsize
+    if qtype in _int8_types(ops):
+        return INT8_GEMV_MIN_ROWS if qtype in _int8_gemv_types(ops) else INT8_MIN_ROWS, high
+    if qtype in _int8_q5_types(ops):
+        return INT8_Q5_ROWS
+    if qtype in _int8_iq4_types(ops):
+        return INT8_IQ4_ROWS[0], min(INT8_IQ4_ROWS[1], high)
+    return None
+
+
 @functools.cache
 def _kernel_choice(ops, dtype: torch.dtype, qtypes: tuple[int, ...], int8_allowed: bool) -> KernelChoice:
     amx = dtype == torch.bfloat16 and _amx_gemm(ops) is not None and all(t in AMX_TYPES for t in qtypes)
     int8, low = 0, INT8_MIN_ROWS
-    if int8_allowed and all(t in _int8_types(ops) for t in qtypes):
-        int8 = INT8_MAX_ROWS_AMX if dtype == torch.bfloat16 and ops.compiled_isa() == "amx" else sys.maxsize
-        low = INT8_GEMV_MIN_ROWS if all(t in _int8_gemv_types(ops) for t in qtypes) else INT8_MIN_ROWS
-    elif int8_allowed and all(t in _int8_q5_types(ops) for t in qtypes):
-        low, int8 = INT8_Q5_ROWS
+    spans = [_int8_rows(ops, dtype, t) for t in qtypes] if int8_allowed else [None]
+    if None not in spans and max(lo for lo, _ in spans) <= min(hi for _, hi in spans):
+        # every part's type takes int8 for these rows (each part runs its own call: _by_parts)
+        low, int8 = max(lo for lo, _ in spans), min(hi for _, hi in spans)
     if not _has_decode_kernel(ops):
         return KernelChoice(PORTABLE_MAX_ROWS, amx, int8, low)
     return KernelChoice(DECODE_MAX_ROWS_AMX if amx else DECODE_MAX_ROWS, amx, int8, low)
