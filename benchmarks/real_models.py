@@ -20,6 +20,14 @@ prefix cached). Each row also reports the roofline: the bytes one decode step mu
 multiplies, plus the KV of the context) over the memory bandwidth this run measured
 (common.memory_bandwidth), as a floor for time per token. Without `--gguf` it serves the embedded model (vLLM:
 `--vllm-model` its export, benchmarks/export_hf.py).
+
+Several `--gguf` files (issue 25's "within 1.3x of Q4_K_M's time per byte"): each is served in turn (pagedserve
+and llama.cpp, which serves the same file unless --llama-gguf), and `per_byte` reports, per server, the single
+stream's TPOT p50 over the weight bytes a decode step reads, relative to the Q4_K_M file's (the first file if
+none is named so):
+
+    python benchmarks/real_models.py --workloads single --llama-server <llama-server> \
+        --gguf /work/models/llama-3.2-1b-{Q4_K_M,Q5_K_M,Q6_K,Q8_0,IQ4_XS}.gguf --out results/real_1b_types.json
 """
 from __future__ import annotations
 
@@ -82,7 +90,8 @@ def run_workload(name: str, urls: list[str], labels: list[str], out_dir: str, ar
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--gguf", default=None, help="the GGUF pagedserve and llama.cpp serve (default: the embedded model)")
+    p.add_argument("--gguf", nargs="+", default=None,
+                   help="the GGUF pagedserve and llama.cpp serve (default: the embedded model), or several: per_byte")
     p.add_argument("--num-threads", type=int, default=2)
     p.add_argument("--dtype", default="auto", help="pagedserve's --dtype (default auto)")
     p.add_argument("--tokenizer", default=None, metavar="DIR",
@@ -98,18 +107,35 @@ def main() -> int:
     p.add_argument("--out", required=True)
     add_peer_args(p, "--gguf")
     args = p.parse_args()
-    args.gguf = args.gguf or embedded_gguf()
-    report = {"machine": machine_info(), "gguf": os.path.abspath(args.gguf),
-              "gguf_bytes": os.path.getsize(args.gguf), "workloads": {}}
-    report["memory_bandwidth"] = memory_bandwidth(num_threads=args.num_threads)
-    specs = {"pagedserve": ([sys.executable, "-m", "pagedserve.cli", "serve", "--model", args.gguf, "--dtype",
+    args.gguf = args.gguf or [embedded_gguf()]
+    # SIGTERM (e.g. from `timeout`) unwinds, so the servers (own process groups) are stopped.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    bandwidth = memory_bandwidth(num_threads=args.num_threads)
+    if len(args.gguf) == 1:
+        report = run_file(args.gguf[0], args, {"machine": machine_info(), "memory_bandwidth": bandwidth}, args.out)
+        print(json.dumps({"roofline_single": report["roofline_single"]}, indent=1))
+        return 0
+    report = {"machine": machine_info(), "memory_bandwidth": bandwidth, "files": {}}
+    for path in args.gguf:
+        report["files"][os.path.basename(path)] = run_file(path, args, {"memory_bandwidth": bandwidth}, None)
+        write_json(args.out, report)
+    if "single" in args.workloads:
+        report["per_byte"] = per_byte(report["files"])
+        print(json.dumps(report["per_byte"], indent=1))
+    report["machine"]["load_avg_1_5_15_at_end"] = list(os.getloadavg())
+    write_json(args.out, report)
+    return 0
+
+
+def run_file(gguf: str, args: argparse.Namespace, report: dict, out: str | None) -> dict:
+    # Every workload of args against pagedserve and the peers serving `gguf`; written to `out` after each.
+    report.update({"gguf": os.path.abspath(gguf), "gguf_bytes": os.path.getsize(gguf), "workloads": {}})
+    specs = {"pagedserve": ([sys.executable, "-m", "pagedserve.cli", "serve", "--model", gguf, "--dtype",
                              args.dtype, "--num-threads", str(args.num_threads), "--max-model-len",
                              str(args.max_model_len), "--kv-cache-memory", str(args.kv_cache_memory),
                              "--uvicorn-log-level", "warning",
                              *(["--tokenizer", args.tokenizer] if args.tokenizer else [])], {}, 300.0),
-             **peer_specs(args, lambda: args.gguf)}
-    # SIGTERM (e.g. from `timeout`) unwinds, so the servers (own process groups) are stopped below.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+             **peer_specs(args, lambda: gguf)}
     servers = start_servers(specs)
     try:
         report["servers"] = server_info(servers)
@@ -117,18 +143,38 @@ def main() -> int:
         with tempfile.TemporaryDirectory() as tmp:
             for name in args.workloads:
                 report["workloads"][name] = run_workload(name, urls, labels, tmp, args)
-                write_json(args.out, report)
+                if out:
+                    write_json(out, report)
     finally:
         for s in servers:
             s.stop()
     kv_value_bytes = 2 if args.dtype in ("auto", "bfloat16") else 4
-    floor = decode_bytes(args.gguf, 64 + 32, kv_value_bytes)  # the single-stream workload's mean context
+    floor = decode_bytes(gguf, 64 + 32, kv_value_bytes)  # the single-stream workload's mean context
     floor["tpot_floor_ms"] = roofline_ms(floor["weight_bytes"] + floor["kv_bytes"], report["memory_bandwidth"])
     report["roofline_single"] = floor
-    report["machine"]["load_avg_1_5_15_at_end"] = list(os.getloadavg())
-    write_json(args.out, report)
-    print(json.dumps({"roofline_single": floor}, indent=1))
-    return 0
+    if out:
+        report["machine"]["load_avg_1_5_15_at_end"] = list(os.getloadavg())
+        write_json(out, report)
+    return report
+
+
+def per_byte(files: dict) -> dict:
+    # server -> file -> single-stream TPOT p50 (ms), weight bytes read per step, ms per GB and that relative to
+    # the Q4_K_M file's (the first file when none is named Q4_K_M).
+    ref = next((f for f in files if "Q4_K_M" in f), next(iter(files)))
+    out: dict = {"reference": ref}
+    for name, rep in files.items():
+        weight_bytes = rep["roofline_single"]["weight_bytes"]
+        for run in rep["workloads"]["single"]["runs"]:
+            tpot_ms = run["metrics"]["tpot"]["p50"] * 1e3
+            out.setdefault(run["endpoint"], {})[name] = {
+                "tpot_p50_ms": round(tpot_ms, 2), "weight_bytes": weight_bytes,
+                "ms_per_gb": round(tpot_ms / (weight_bytes / 1e9), 2)}
+    for server, rows in out.items():
+        if server != "reference" and ref in rows:
+            for row in rows.values():
+                row["vs_reference"] = round(row["ms_per_gb"] / rows[ref]["ms_per_gb"], 3)
+    return out
 
 
 if __name__ == "__main__":

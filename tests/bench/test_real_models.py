@@ -37,3 +37,21 @@ def test_shared_workload_warmed_then_measured(tmp_path, monkeypatch):
         questions = [" ".join(p.split()[20:]) for p in warm + measured]
         assert len(set(questions)) == 5  # the warm ones have other words than the measured ones
     assert sorted(x["prompt"] for x in a.bodies) == sorted(x["prompt"] for x in b.bodies)  # the same workload
+
+
+def test_per_byte_relative_to_q4_k_m():
+    # Several --gguf files: each server's single-stream TPOT p50 per weight byte read, over the Q4_K_M file's.
+    real_models = import_benchmark("real_models")
+
+    def file_report(weight_bytes: int, tpots: dict) -> dict:
+        runs = [{"endpoint": s, "metrics": {"tpot": {"p50": t}}} for s, t in tpots.items()]
+        return {"roofline_single": {"weight_bytes": weight_bytes}, "workloads": {"single": {"runs": runs}}}
+
+    files = {"m-Q8_0.gguf": file_report(2_000_000_000, {"pagedserve": 0.050, "llama.cpp": 0.030}),
+             "m-Q4_K_M.gguf": file_report(1_000_000_000, {"pagedserve": 0.020, "llama.cpp": 0.020})}
+    out = real_models.per_byte(files)
+    assert out["reference"] == "m-Q4_K_M.gguf"
+    assert out["pagedserve"]["m-Q8_0.gguf"] == {"tpot_p50_ms": 50.0, "weight_bytes": 2_000_000_000,
+                                                "ms_per_gb": 25.0, "vs_reference": 1.25}
+    assert out["llama.cpp"]["m-Q8_0.gguf"]["vs_reference"] == 0.75
+    assert out["pagedserve"]["m-Q4_K_M.gguf"]["vs_reference"] == 1.0
