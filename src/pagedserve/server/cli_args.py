@@ -64,10 +64,10 @@ def add_serve_parser(subparsers, add_engine_args: Callable[[argparse.ArgumentPar
                    metavar="SECONDS", help="/health answers 503 once one engine step has run this long")
     g.add_argument("--shutdown-timeout", type=_non_negative_float, default=SHUTDOWN_TIMEOUT_S, metavar="SECONDS",
                    help="on SIGTERM/SIGINT, how long open responses may take to finish before the engine stops")
-    g.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=False,
+    g.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                    help="before listening, run a few requests through the engine (a prefill chunk, a decode batch, "
                         "a chat, a JSON schema) so that memory first touched by serving is in the start-up figure "
-                        "(default off: single-stream decode over HTTP measured slower after it, docs/server.md)")
+                        "(default on; --no-warmup starts sooner)")
     g.add_argument("--disable-debug-routes", action="store_true",
                    help="leave out /debug/kv (every request's id, length and blocks) and /dashboard")
     g.add_argument("--served-model-name", nargs="+", default=None,

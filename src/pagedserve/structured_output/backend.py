@@ -239,16 +239,21 @@ def check_first_token(grammar: Any, params: SamplingParams) -> None:
     """ValueError when no first token satisfies both the grammar and params (nothing could be sampled).
 
     Without this the step would sample from all -inf logits and the grammar would reject what came out.
+    Runs on the event loop, so no torch op here touches the vocabulary: one over 32,768 elements or more runs a
+    parallel region, which starts an OpenMP team on this thread (libgomp keeps it while the thread lives); libgomp
+    then manages more threads than there are CPUs and throttles the spin-wait of every team, the engine's
+    included, so each parallel region of every later step paid a futex wake-up (single-stream decode over HTTP
+    slower after the first structured request, or after the start-up warm-up's schema request). The bitmask,
+    ceil(vocab / 32) words, stays below that size; numpy unpacks it.
     """
-    import torch
+    import numpy as np
     import xgrammar as xgr
 
     info = grammar.tokenizer_info
     bitmask = xgr.allocate_token_bitmask(1, info.vocab_size)
     xgr.GrammarMatcher(grammar).fill_next_token_bitmask(bitmask)
-    allowed = torch.zeros(1, info.vocab_size)
-    xgr.apply_token_bitmask_inplace(allowed, bitmask)
-    allowed = allowed[0].isfinite()
+    # Bit t % 32 of word t // 32 allows token t (int32 words, little-endian).
+    allowed = np.unpackbits(bitmask.numpy().view(np.uint8), bitorder="little")[:info.vocab_size].astype(bool)
     allowed[list(info.stop_token_ids)] = False
     if not allowed.any():
         raise ValueError("the structured output constraint matches no text (or only the empty text)")
