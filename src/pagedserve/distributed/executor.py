@@ -133,6 +133,9 @@ class MultiprocExecutor(Executor):
         threading.Thread(target=_watchdog, args=(weakref.ref(self), self._stop_watchdog), daemon=True,
                          name="pagedserve-tp-watchdog").start()
         try:
+            # Every rank's interpreter has started (a rank that exited on the way is named here, at once); then
+            # the rendezvous, which waits for the slowest one (parallel_state.RENDEZVOUS_TIMEOUT_S).
+            self._answers(LOAD_TIMEOUT_S)
             self.tp: TensorParallelGroup = init_tensor_parallel(0, self.world_size, init_method, device,
                                                                 self.timeout_s)
             super().__init__(config, device)  # rank 0's worker loads its slice, then waits for the others'

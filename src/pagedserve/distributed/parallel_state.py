@@ -2,7 +2,8 @@
 
 One group of `world_size` ranks, one process each (rank 0 is the engine process). gloo carries the
 collectives on CPU (loopback), NCCL on CUDA (rank r uses cuda:r). Every collective has the group's timeout,
-so a rank that dies or stalls turns into an error on the others, never a hang.
+so a rank that dies or stalls turns into an error on the others, never a hang; the rendezvous that forms the
+group has a longer one of its own (RENDEZVOUS_TIMEOUT_S), so ranks that start slowly on a loaded machine join.
 """
 from __future__ import annotations
 
@@ -18,6 +19,11 @@ from pagedserve.kv_spec import num_kv_heads_of
 # How long a collective waits for the slowest rank. The ranks run the same step in lockstep, so the wait is
 # their skew (milliseconds); a minute means a rank is gone or stuck.
 DEFAULT_TIMEOUT_S = 60.0
+# How long the rendezvous (init_process_group) waits for every rank: each is a fresh interpreter that imports
+# torch first, seconds apart on an idle machine and much more on a loaded one. Rank 0 calls it only once every
+# other rank's process has said it is joining (distributed/executor.py), so a rank that died before is reported
+# at once; this bounds only a rank that hangs in between.
+RENDEZVOUS_TIMEOUT_S = 600.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,7 +65,9 @@ def init_tensor_parallel(rank: int, world_size: int, init_method: str, device: t
     elif device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(backend_for(device), init_method=init_method, rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=timeout_s))
+                            timeout=timedelta(seconds=max(timeout_s, RENDEZVOUS_TIMEOUT_S)))
+    # The collectives' own timeout, once every rank has joined.
+    dist.distributed_c10d._set_pg_timeout(timedelta(seconds=timeout_s))
     return TensorParallelGroup(rank, world_size)
 
 

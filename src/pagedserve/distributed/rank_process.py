@@ -5,7 +5,8 @@ The engine process (rank 0, distributed/executor.py) drives it over a pipe with 
 order rank 0 makes them:
 
     rank 0 (engine)                                  rank r (this process)
-    (after spawn) <------------------------------- ("ok", None) once Worker.load_model() is done
+    (after spawn) <------------------------------- ("ok", None) when it starts the rendezvous
+                  <------------------------------- ("ok", None) once Worker.load_model() is done
     send ("initialize", (kv_config,)) -------------> Worker.initialize: the same block counts as rank 0
     send ("step", (plan, scheduled, propose)) -----> Worker.apply_plan(plan)      (batch rows, block ops)
                                                      Worker.execute_model(...)    (collectives with rank 0)
@@ -61,6 +62,7 @@ def _serve(rank: int, config: EngineConfig, init_method: str, conn: Connection) 
 
     par = config.parallel
     device = bind_rank(config, rank)
+    conn.send(("ok", None))  # joining: rank 0 starts the rendezvous once every rank has said so
     tp = init_tensor_parallel(rank, par.tensor_parallel_size, init_method, device, par.distributed_timeout_s)
     worker = Worker(config, device, tp)
     try:
