@@ -95,8 +95,7 @@ def main() -> int:
     p.add_argument("--num-threads", type=int, default=2)
     p.add_argument("--dtype", default="auto", help="pagedserve's --dtype (default auto)")
     p.add_argument("--tokenizer", default=None, metavar="DIR",
-                   help="pagedserve's --tokenizer: the HF directory's, for build_models.py's gemma-3-1b, whose GGUF "
-                        "holds a byte-level BPE vocabulary that transformers' Gemma GGUF reader does not read")
+                   help="pagedserve's --tokenizer: another HF tokenizer directory than the GGUF's own")
     p.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--kv-cache-memory", type=int, default=2 << 30)

@@ -9,7 +9,8 @@ fragmented. Here they run in `python -m pagedserve.model_metadata` and end with 
 benchmarks/HISTORY.md "memory.py": first start 512 -> 431 MB after two requests).
 
     config PATH                   print AutoConfig.from_pretrained(PATH).to_dict() as JSON
-    gguf FILE OUT_DIR             save FILE's config and tokenizer as transformers reads them into OUT_DIR
+    gguf FILE OUT_DIR VOCAB       save FILE's config and tokenizer as transformers reads them into OUT_DIR;
+                                  VOCAB: the file's tokenizer.ggml.model (gguf_tokenizer_class says why)
 
 This module imports neither torch nor the rest of pagedserve, so the child starts in about a second.
 """
@@ -30,15 +31,33 @@ def run(*args: str) -> str:
     return out.stdout
 
 
+def gguf_tokenizer_class(vocab: str | None):
+    """The transformers class that reads a GGUF file's tokenizer, by the vocabulary the file states.
+
+    transformers converts the file's tokenizer by its `tokenizer.ggml.model` (and a byte-level one's split
+    pattern by `tokenizer.ggml.pre`), but AutoTokenizer wraps it in its architecture's class, which the saved
+    directory then reloads as that class: a Gemma 3 file with a byte-level BPE vocabulary ("gpt2", as
+    build_models.py's gemma-3-1b with SmolLM2's) came back as GemmaTokenizer, which rebuilt a sentencepiece
+    pipeline from the vocabulary (every id wrong, one token more than the model), and a Qwen2 file's split
+    pattern became Qwen's whatever its `pre` said. A byte-level vocabulary takes the generic class, which keeps
+    the converted tokenizer as it is, what llama.cpp runs; a sentencepiece one keeps its architecture's class
+    (Gemma's and Phi-3's conversions are chosen by architecture, and their classes rebuild the same pipeline).
+    """
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast if vocab == "gpt2" else AutoTokenizer
+
+
 def _main(job: str, *args: str) -> None:
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig
 
     if job == "config":
         print(json.dumps(AutoConfig.from_pretrained(args[0]).to_dict()))
     elif job == "gguf":
         folder, file = os.path.split(args[0])
         AutoConfig.from_pretrained(folder, gguf_file=file).save_pretrained(args[1])
-        AutoTokenizer.from_pretrained(folder, gguf_file=file).save_pretrained(args[1])
+        vocab = args[2] if len(args) > 2 else None
+        gguf_tokenizer_class(vocab).from_pretrained(folder, gguf_file=file).save_pretrained(args[1])
     else:
         raise ValueError(f"unknown job {job!r}")
 

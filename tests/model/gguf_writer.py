@@ -15,8 +15,9 @@ metadata keys and tensor edits per architecture:
     llama    q and k rows permuted (LlamaModel.permute), rope.dimension_count, and for llama3 rope scaling the
              rope_freqs tensor (one divisor per frequency) instead of scaling keys
 
-and a sentencepiece vocabulary (gemma, phi3, llama: tokenizer model "llama") or a byte-level BPE one (qwen): the
-256 bytes and one merge, so " t" is one token.
+and a sentencepiece vocabulary (gemma, phi3, llama: tokenizer model "llama") or a byte-level BPE one (qwen, or any
+architecture with vocab="bpe", as build_models.py's gemma-3-1b carries SmolLM2's): the 256 bytes and one merge,
+so " t" is one token.
 """
 from __future__ import annotations
 
@@ -51,7 +52,8 @@ def gguf_name(hf_name: str, arch: str) -> str:
     return f"blk.{layer}.{_ARCH_LAYER.get(arch, {}).get(module) or _LAYER[module]}.{suffix}"
 
 
-def write_gguf(path: str, arch: str, hf_model, config) -> None:
+def write_gguf(path: str, arch: str, hf_model, config, vocab: str | None = None) -> None:
+    # vocab: "bpe" or "spm" (default: the architecture's own, as above).
     w = gguf.GGUFWriter(path, arch)
     w.add_block_count(config.num_hidden_layers)
     w.add_context_length(config.max_position_embeddings)
@@ -61,7 +63,7 @@ def write_gguf(path: str, arch: str, hf_model, config) -> None:
     w.add_head_count_kv(config.num_key_value_heads)
     w.add_layer_norm_rms_eps(config.rms_norm_eps)
     _METADATA[arch](w, config)
-    _add_vocab(w, arch)
+    _add_vocab(w, vocab or ("bpe" if arch in ("qwen2", "qwen3") else "spm"))
     state = hf_model.state_dict()
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)  # the converter writes no copy of a tied embedding
@@ -152,8 +154,8 @@ def _add_rope_factors(w, config) -> None:
     w.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
 
 
-def _add_vocab(w, arch: str) -> None:
-    if arch in ("qwen2", "qwen3"):
+def _add_vocab(w, vocab: str) -> None:
+    if vocab == "bpe":
         w.add_tokenizer_model("gpt2")
         w.add_token_list(BPE_TOKENS)
         w.add_token_types([1] * len(BPE_TOKENS))

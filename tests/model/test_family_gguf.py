@@ -85,3 +85,23 @@ def _family_of(config):
     from pagedserve.model.family import decoder_family
 
     return decoder_family(config)
+
+
+def test_byte_level_vocab_under_gemma3_reads_as_the_file_states(model_cache) -> None:
+    # A Gemma 3 file whose vocabulary is byte-level BPE (tokenizer.ggml.model "gpt2"; build_models.py's gemma-3-1b
+    # carries SmolLM2's): the tokenizer the file states, as a byte-level BPE tokenizer of the same vocabulary and
+    # merge reads these strings, not one rebuilt as Gemma's sentencepiece pipeline.
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    config = _gemma3_six_layers()
+    config.vocab_size = len(BPE_TOKENS)
+    path = str(model_cache / "tiny-gemma3-bpe.gguf")
+    write_gguf(path, "gemma3", random_hf_model(config), config, vocab="bpe")
+    loaded = load_model(path, quantization="gguf")
+    reference = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(BPE_TOKENS)}, merges=[("\u0120", "t")]))
+    reference.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    reference.decoder = decoders.ByteLevel()
+    for text in ["a t", " t t", "tt  t\n\n  t", "h\u00e9llo w\u00f6rld 12345", "def f(x):\n    return x"]:
+        ids = loaded.tokenizer.encode(text, add_special_tokens=False)
+        assert ids == reference.encode(text).ids, text
+        assert loaded.tokenizer.decode(ids) == text

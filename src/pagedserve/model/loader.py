@@ -165,8 +165,9 @@ def _as_dtype(dtype: torch.dtype | str) -> torch.dtype:
     return resolved
 
 
-# Bumped when what a conversion writes changes (2: a Llama 3.x file's rope_freqs in config.json).
-CONVERSION_VERSION = 2
+# Bumped when what a conversion writes changes (2: a Llama 3.x file's rope_freqs in config.json; 3: a byte-level
+# vocabulary's tokenizer as the file states it, model_metadata.gguf_tokenizer_class).
+CONVERSION_VERSION = 3
 
 
 def _cache_dir_for(path: str, name: str) -> str:
@@ -316,8 +317,10 @@ def _write_gguf_metadata(path: str, cache_dir: str) -> None:
     os.makedirs(os.path.dirname(cache_dir), exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".tmp-", dir=os.path.dirname(cache_dir))
     try:
+        gguf = open_gguf_file(path)
+        vocab = gguf.fields.get("tokenizer.ggml.model")
         try:  # transformers' GGUF readers run in a child process (pagedserve/model_metadata.py says why)
-            model_metadata.run("gguf", path, tmp)
+            model_metadata.run("gguf", path, tmp, str(vocab or ""))
         except ValueError as e:
             raise ValueError(f"cannot read config/tokenizer metadata from GGUF {path}: {e}") from e
         # GGUF-derived configs carry no `architectures`; record it so the cache is a complete HF directory.
@@ -327,7 +330,6 @@ def _write_gguf_metadata(path: str, cache_dir: str) -> None:
         config["architectures"] = [resolve_architecture(HFConfig(**config))]
         # transformers reads no head_dim for some architectures (qwen3) and derives hidden / heads instead,
         # and none of the settings that make Gemma or Phi-3 what they are (model/gguf_config.py).
-        gguf = open_gguf_file(path)
         key_length = gguf.fields.get(f"{gguf.fields.get('general.architecture')}.attention.key_length")
         if key_length is not None:
             config["head_dim"] = int(key_length)
