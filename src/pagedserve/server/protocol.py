@@ -1,6 +1,7 @@
 """OpenAI request and response bodies (pydantic), with OpenAI's field names plus vLLM's sampling extras."""
 from __future__ import annotations
 
+import json
 import time
 from typing import Annotated, Any, Literal
 
@@ -265,12 +266,23 @@ class ChatMessage(OpenAIRequestModel):
         if self.name is not None:
             msg["name"] = self.name
         if self.tool_calls:
-            msg["tool_calls"] = [{"id": c.id, "type": c.type, "function": {"name": c.function.name,
-                                                                           "arguments": c.function.arguments}}
+            msg["tool_calls"] = [{"id": c.id, "type": c.type,
+                                  "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
                                  for c in self.tool_calls]
         if self.tool_call_id is not None:
             msg["tool_call_id"] = self.tool_call_id
         return msg
+
+
+def _arguments(text: str) -> dict[str, Any]:
+    # A past call's arguments as the chat templates take them (transformers' documented form, as vLLM passes
+    # them): a dict, which Llama 3.x, Qwen2.5 and Mistral render with `| tojson` (the JSON text would come out
+    # quoted). Text that is not a JSON object becomes {}, as in vLLM: the history must stay renderable.
+    try:
+        value = json.loads(text) if text else {}
+    except (ValueError, RecursionError):  # RecursionError: nesting deeper than the parser's stack
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 class FunctionDefinition(OpenAIRequestModel):
