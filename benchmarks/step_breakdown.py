@@ -1,6 +1,7 @@
 """decode_breakdown.py --step prefill|mixed: where one prefill or prefill+decode engine step goes.
 
-One engine (LLM.llm_engine, stepped by hand), --threads threads. prefill: a --prefill-tokens prompt alone
+One engine (LLM.llm_engine, stepped by hand), --threads threads, --dtype. prefill: --prefill-tokens in --prompts
+prompts
 (max_tokens 1: the step samples its one token). mixed: first --decoding requests with 64-token prompts start
 decoding, then each timed step adds one --prefill-tokens prompt beside them (the 16-stream workload's steady
 state: 16 decoding requests leave the adaptive budget at its 512-token floor). Every prompt is new random
@@ -9,6 +10,8 @@ threads) and then one under torch.profiler, whose op self times are grouped:
   <layer> <kernel> <type>   the block GEMMs by layer: qkv, o, gate_up, down, lm_head (from the weight's shape)
   attention, norms+rotary+silu, sampling ops, other ops
   outside ops               the step's wall time less every op: Python, scheduling, the engine
+Without a block kernel for the rows (float path), a weight runs as "tiles: dequantize" + "tiles: torch GEMM".
+--order 1+Q4_1 (PAGEDSERVE_GGUF_INT8=1 plus types) also sends those types through gemm_gguf_int8 (A/B).
 Per-op times are wall times of the calling thread (2 threads inside an op count once): on a loaded machine
 compare the CPU time per step and the shares, in turns (--order 1,0,1,0).
 """
@@ -24,6 +27,7 @@ import time
 from common import int8_child_run, machine_info, write_json
 from decode_breakdown import BYTES_PER_256
 
+TORCH_GEMM_OPS = ("mm", "addmm", "matmul", "linear", "bmm")
 SAMPLING_OPS = ("argmax", "topk", "sort", "softmax", "log_softmax", "exponential_", "multinomial")
 
 
@@ -52,7 +56,23 @@ def group(name: str, shapes, cfg) -> str:
         return "decoder_layers (self)"
     if op in SAMPLING_OPS:
         return "sampling ops"
+    if op == "dequant_gguf" and len(shapes) > 0 and shapes[0] and shapes[0][0] != cfg.vocab_size:
+        return "tiles: dequantize"  # the weight tiles of the float path (model/layers/gguf_quant.py)
+    if op in TORCH_GEMM_OPS:
+        return "tiles: torch GEMM"
+    if op in ("copy_", "_to_copy", "to"):
+        return "copies and casts"
     return "other ops"
+
+
+def extra_int8_types(order_value: str) -> None:
+    # --order 1+Q4_1: int8 on, and these block-of-32 types also take gemm_gguf_int8 at every row count from
+    # INT8_MIN_ROWS on (an A/B of a type the dispatcher does not choose yet; before any weight is dispatched).
+    from pagedserve.model.layers import gguf_quant
+
+    names = {v[0]: k for k, v in gguf_quant.GGUF_BLOCK_TYPES.items()}
+    extra = tuple(names[n] for n in order_value.split("+")[1:])
+    gguf_quant.INT8_TYPES = gguf_quant.INT8_TYPES + extra
 
 
 def run_steps(args) -> dict:
@@ -61,7 +81,8 @@ def run_steps(args) -> dict:
     from pagedserve import LLM, SamplingParams
 
     torch.set_num_threads(args.threads)
-    llm = LLM(model=args.model, max_model_len=2048, enable_prefix_caching=False,
+    extra_int8_types(os.environ.get("PAGEDSERVE_GGUF_INT8", "1"))
+    llm = LLM(model=args.model, max_model_len=2048, enable_prefix_caching=False, dtype=args.dtype,
               max_num_seqs=max(64, args.decoding + 1))
     engine = llm.llm_engine
     cfg = engine.hf_config
@@ -80,14 +101,17 @@ def run_steps(args) -> dict:
         engine.step()
 
     def one_step() -> tuple[float, float, int]:
-        req_id = str(next(ids))
-        engine.add_request(req_id, prompt(args.prefill_tokens), greedy)
+        pending = set()
+        for _ in range(args.prompts):  # --prefill-tokens split evenly over --prompts prompts
+            pending.add(str(next(ids)))
+            engine.add_request(max(pending, key=int), prompt(args.prefill_tokens // args.prompts), greedy)
         steps, wall, cpu = 0, 0.0, 0.0
-        while True:  # the new prompt's step (one, unless the budget splits it: then all of them)
+        while True:  # the new prompts' step (one, unless the budget splits them: then all of them)
             w0, c0 = time.perf_counter(), time.process_time()
             outs = engine.step()
             wall, cpu, steps = wall + time.perf_counter() - w0, cpu + time.process_time() - c0, steps + 1
-            if any(o.request_id == req_id and o.finished for o in outs):
+            pending -= {o.request_id for o in outs if o.finished}
+            if not pending:
                 return wall * 1e3, cpu * 1e3, steps
 
     walls, cpus, profiled, parts_total = [], [], [], collections.defaultdict(float)
@@ -107,7 +131,7 @@ def run_steps(args) -> dict:
         parts["outside ops"] = wall_p - sum(parts.values())
         for k, v in parts.items():
             parts_total[k] += v / args.repeats
-    return {"step": args.step, "prefill_tokens": args.prefill_tokens,
+    return {"step": args.step, "prefill_tokens": args.prefill_tokens, "prompts": args.prompts, "dtype": engine.config.model.dtype,
             "decoding": args.decoding if args.step == "mixed" else 0, "threads": args.threads,
             "engine_steps_per_prompt": steps, "wall_ms": walls, "cpu_ms": cpus, "wall_profiled_ms": profiled,
             "ms_per_step": {k: round(v, 2) for k, v in sorted(parts_total.items(), key=lambda kv: -kv[1])}}
