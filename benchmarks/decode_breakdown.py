@@ -111,7 +111,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--order", default="1,0", help="PAGEDSERVE_GGUF_INT8 values, run in this order; with "
-                   "--step prefill/mixed 1+Q4_1 also sends Q4_1 (Q4_0, Q8_0) weights through int8")
+                   "--step prefill/mixed int8:Q4_1 or bf16@16:Q4_1+Q8_0 also send those types through that path")
     p.add_argument("--step", choices=("decode", "prefill", "mixed"), default="decode")
     p.add_argument("--prefill-tokens", type=int, default=512)
     p.add_argument("--prompts", type=int, default=1, help="--step prefill/mixed: prompts sharing --prefill-tokens")

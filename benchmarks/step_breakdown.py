@@ -11,7 +11,7 @@ threads) and then one under torch.profiler, whose op self times are grouped:
   attention, norms+rotary+silu, sampling ops, other ops
   outside ops               the step's wall time less every op: Python, scheduling, the engine
 Without a block kernel for the rows (float path), a weight runs as "tiles: dequantize" + "tiles: torch GEMM".
---order 1+Q4_1 (PAGEDSERVE_GGUF_INT8=1 plus types) also sends those types through gemm_gguf_int8 (A/B).
+--order int8:Q4_1 or bf16@16:Q4_1+Q8_0 also sends those types through gemm_gguf_int8 / gemm_gguf_bf16 (A/B).
 Per-op times are wall times of the calling thread (2 threads inside an op count once): on a loaded machine
 compare the CPU time per step and the shares, in turns (--order 1,0,1,0).
 """
@@ -45,7 +45,7 @@ def group(name: str, shapes, cfg) -> str:
     op = name.split("::")[-1]
     if name.startswith("pagedserve") and op.startswith("gemm_gguf") and len(shapes) > 1 and len(shapes[1]) == 2:
         (_, k), (rows, row_bytes) = shapes[0], shapes[1]
-        kind = "int8" if op.endswith("int8") else "float"
+        kind = op.removeprefix("gemm_gguf_") if op != "gemm_gguf" else "float"  # int8, bf16, amx
         qtype = BYTES_PER_256.get(row_bytes * 256 // k, f"{row_bytes} B/row")
         return f"{layer_of(rows, k, cfg)} {kind} {qtype}"
     if op.startswith("paged_attention"):
@@ -65,14 +65,21 @@ def group(name: str, shapes, cfg) -> str:
     return "other ops"
 
 
-def extra_int8_types(order_value: str) -> None:
-    # --order 1+Q4_1: int8 on, and these block-of-32 types also take gemm_gguf_int8 at every row count from
-    # INT8_MIN_ROWS on (an A/B of a type the dispatcher does not choose yet; before any weight is dispatched).
+def extra_types(order_value: str) -> None:
+    # --order int8:Q4_1 (int8 on, and Q4_1 also in INT8_TYPES: gemm_gguf_int8 from INT8_MIN_ROWS rows of x), or
+    # bf16@16:Q4_1+Q8_0 (those types also in BF16_TYPES, with BF16_MIN_ROWS 16, where the dispatcher has them):
+    # an A/B of types the dispatcher does not choose, patched before any weight is dispatched.
+    if ":" not in order_value:
+        return
     from pagedserve.model.layers import gguf_quant
 
+    path, types = order_value.split(":")
+    path, _, rows = path.partition("@")
     names = {v[0]: k for k, v in gguf_quant.GGUF_BLOCK_TYPES.items()}
-    extra = tuple(names[n] for n in order_value.split("+")[1:])
-    gguf_quant.INT8_TYPES = gguf_quant.INT8_TYPES + extra
+    attr = {"int8": "INT8_TYPES", "bf16": "BF16_TYPES"}[path]
+    setattr(gguf_quant, attr, getattr(gguf_quant, attr) + tuple(names[n] for n in types.split("+")))
+    if rows:
+        setattr(gguf_quant, f"{path.upper()}_MIN_ROWS", int(rows))
 
 
 def run_steps(args) -> dict:
@@ -81,7 +88,7 @@ def run_steps(args) -> dict:
     from pagedserve import LLM, SamplingParams
 
     torch.set_num_threads(args.threads)
-    extra_int8_types(os.environ.get("PAGEDSERVE_GGUF_INT8", "1"))
+    extra_types(os.environ.get("PAGEDSERVE_GGUF_INT8", "1"))
     llm = LLM(model=args.model, max_model_len=2048, enable_prefix_caching=False, dtype=args.dtype,
               max_num_seqs=max(64, args.decoding + 1))
     engine = llm.llm_engine
