@@ -265,3 +265,32 @@ for i in range(3):
 """
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
     assert len(list(tmp_path.rglob("*.kv"))) == 3
+
+
+def test_writer_takes_idle_cpu_and_flush_writes_what_it_has_not_started(tmp_path):
+    # The writer thread runs at SCHED_IDLE (a niceness-19 thread still took its share of a busy core from the
+    # steps' OpenMP threads). So it may get no CPU for long: a thread waiting in flush writes the queue itself.
+    store = DiskKVStore(str(tmp_path), None, NBYTES, ROOT)
+    started, gate, writers = threading.Event(), threading.Event(), {}
+    write = store._write
+
+    def stalled_writer(rec, chunks):  # the writer thread gets its first block and then no CPU
+        writers[rec.block_hash] = threading.current_thread()
+        if threading.current_thread() is store._thread:
+            started.set()
+            gate.wait(30)
+        write(rec, chunks)
+
+    store._write = stalled_writer
+    hashes = [bytes([i]) * 32 for i in range(4)]
+    for h in hashes:
+        store.store(record(h), payload(h[0]))
+    assert started.wait(30)
+    if hasattr(os, "SCHED_IDLE"):
+        assert os.sched_getscheduler(store._thread.native_id) == os.SCHED_IDLE
+    assert not store.flush(timeout=0.2)                # the writer's own block is still in flight
+    assert [writers.get(h) for h in hashes] == [store._thread] + [threading.current_thread()] * 3
+    assert [bytes(store.load(h)) for h in hashes[1:]] == [payload(h[0]) for h in hashes[1:]]
+    gate.set()
+    assert store.flush(timeout=30)
+    assert bytes(store.load(hashes[0])) == payload(0) and store.stats.num_stored_blocks == 4
