@@ -9,6 +9,12 @@ of 16, sequence i owning blocks i, i + n, i + 2n, ... (scattered): decode of --n
 --before REF also builds paged_attention.cpp as it was at git REF (into its own op namespace, beside this
 tree's) and times both, interleaved round by round and configuration by configuration, so that load from
 other processes on a shared machine hits both alike; each number is the median over --rounds.
+--window W / --softcap C time paged_attention_windowed instead (Gemma's sliding layers: window 512 on
+Gemma-3-1B, 4096 and cap 50 on Gemma 2), and --cpu-time counts this process's CPU time, not wall time
+(with --num-threads 1, steadier on a loaded machine):
+
+    python benchmarks/attention_shapes.py --before HEAD~1 --shapes gemma-3-1b --window 512 --num-seqs 1 \
+        --contexts 1000 --prefill-len 1024 --dtypes float32 bfloat16 --num-threads 1 --cpu-time
 """
 from __future__ import annotations
 
@@ -35,6 +41,7 @@ SHAPES = {
     "llama-3b": (24, 8, 128),
     "qwen2.5-1.5b": (12, 2, 128),
     "gemma-1b": (8, 4, 256),
+    "gemma-3-1b": (4, 1, 256),
     "smollm2-135m": (9, 3, 64),
     "64h-8kv-128": (64, 8, 128),
     "phi-like": (16, 16, 96),
@@ -96,22 +103,27 @@ def cache(num_blocks: int, kv_heads: int, head_dim: int, dtype: torch.dtype, gen
     return torch.randn(2, num_blocks, BLOCK_SIZE, kv_heads, head_dim, generator=gen).to(dtype)
 
 
-def time_variants(variants: dict, args: tuple, scale: float, rounds: int) -> dict[str, float]:
+def time_variants(variants: dict, args: tuple, scale: float, rounds: int, window: int = 0, softcap: float = 0.0,
+                  clock=time.perf_counter) -> dict[str, float]:
     # Microseconds per call, median over rounds; each round runs every variant for about 20 ms.
-    calls = {name: (lambda ops=ops: ops.paged_attention(*args, scale, -1)) for name, ops in variants.items()}
+    if window or softcap:
+        calls = {name: (lambda ops=ops: ops.paged_attention_windowed(*args, scale, -1, window, softcap, False))
+                 for name, ops in variants.items()}
+    else:
+        calls = {name: (lambda ops=ops: ops.paged_attention(*args, scale, -1)) for name, ops in variants.items()}
     reps = {}
     for name, call in calls.items():
         call()
-        t0 = time.perf_counter()
+        t0 = clock()
         call()
-        reps[name] = max(1, min(300, int(0.02 / max(time.perf_counter() - t0, 1e-7))))
+        reps[name] = max(1, min(300, int(0.02 / max(clock() - t0, 1e-7))))
     times = {name: [] for name in calls}
     for _ in range(rounds):
         for name, call in calls.items():
-            t0 = time.perf_counter()
+            t0 = clock()
             for _ in range(reps[name]):
                 call()
-            times[name].append((time.perf_counter() - t0) / reps[name] * 1e6)
+            times[name].append((clock() - t0) / reps[name] * 1e6)
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
@@ -126,6 +138,9 @@ def main() -> None:
     p.add_argument("--prefill-len", type=int, default=512, help="0: no prefill")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--num-threads", type=int, default=None)
+    p.add_argument("--window", type=int, default=0, help="> 0: paged_attention_windowed with this window")
+    p.add_argument("--softcap", type=float, default=0.0, help="> 0: paged_attention_windowed with this score cap")
+    p.add_argument("--cpu-time", action="store_true", help="time by this process's CPU time, not wall time")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     if args.num_threads:
@@ -137,8 +152,10 @@ def main() -> None:
         variants["before"], commit = build_before(args.before, isa_name)
     variants["after"] = kernels.load_isa(isa_name)
     result = {"machine": machine_info(), "isa": isa_name, "command": " ".join(sys.argv), "before_commit": commit,
-              "block_size": BLOCK_SIZE, "unit": "microseconds per paged_attention call, median of rounds",
+              "block_size": BLOCK_SIZE, "window": args.window, "softcap": args.softcap,
+              "unit": f"microseconds ({'CPU' if args.cpu_time else 'wall'}) per paged_attention call, median of rounds",
               "rows": []}
+    clock = time.process_time if args.cpu_time else time.perf_counter
     gen = torch.Generator().manual_seed(0)
     configs = [("decode", n, c) for n in args.num_seqs for c in args.contexts]
     if args.prefill_len:
@@ -150,7 +167,7 @@ def main() -> None:
             for kind, num_seqs, tokens in configs:
                 inputs = (decode_inputs(num_seqs, tokens, heads, kv_heads, head_dim, dtype, gen) if kind == "decode"
                           else prefill_inputs(tokens, heads, kv_heads, head_dim, dtype, gen))
-                us = time_variants(variants, inputs, head_dim ** -0.5, args.rounds)
+                us = time_variants(variants, inputs, head_dim ** -0.5, args.rounds, args.window, args.softcap, clock)
                 row = {"shape": shape, "num_heads": heads, "num_kv_heads": kv_heads, "head_dim": head_dim,
                        "dtype": dtype_name, "kind": kind, "num_seqs": num_seqs,
                        "context" if kind == "decode" else "prompt_len": tokens,

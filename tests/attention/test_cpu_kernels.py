@@ -72,6 +72,17 @@ def test_auto_backend_picks_kernel_on_cpu() -> None:
     assert get_attention_backend("reference").name == "reference"
 
 
+def windowed_inputs(seqs, tables, block_size, num_heads, num_kv_heads, head_dim, cache_dtype, gen):
+    # A random cache over the tables' blocks, the metadata of seqs ((context, query) pairs), new q, k, v.
+    num_blocks = max(max(t) for t in tables) + 1
+    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(cache_dtype)
+    meta = build_attention_metadata(seqs, tables, block_size)
+    n = sum(q for _, q in seqs)
+    q = torch.randn(n, num_heads, head_dim, generator=gen)
+    k, v = (torch.randn(n, num_kv_heads, head_dim, generator=gen) for _ in range(2))
+    return cache, meta, q, k, v
+
+
 @pytest.mark.parametrize("window,softcap", [(3, None), (6, 2.0), (None, 2.0), (21, None)])
 @pytest.mark.parametrize("head_dim,cache_dtype", [(8, torch.float32), (64, torch.bfloat16), (256, torch.float32)])
 def test_windowed_kernel_matches_reference(make_backend, window, softcap, head_dim: int, cache_dtype) -> None:
@@ -84,12 +95,8 @@ def test_windowed_kernel_matches_reference(make_backend, window, softcap, head_d
     block_size, num_heads, num_kv_heads = 4, 6, 2
     tables = scattered_block_tables(lens, block_size, sum(-(-n // block_size) for n in lens) + 4, seed=5)
     tables[2][:15] = tables[1][:15]
-    num_blocks = max(max(t) for t in tables) + 1
-    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(cache_dtype)
-    meta = build_attention_metadata(seqs, tables, block_size)
-    n = sum(q for _, q in seqs)
-    q = torch.randn(n, num_heads, head_dim, generator=gen)
-    k, v = (torch.randn(n, num_kv_heads, head_dim, generator=gen) for _ in range(2))
+    cache, meta, q, k, v = windowed_inputs(seqs, tables, block_size, num_heads, num_kv_heads, head_dim, cache_dtype,
+                                           gen)
     ref_cache = cache.clone()
     want = ReferenceAttentionBackend(window, softcap).forward(q, k, v, ref_cache, meta, 0.3)
     backend = make_backend().with_window(window, softcap)
@@ -97,5 +104,27 @@ def test_windowed_kernel_matches_reference(make_backend, window, softcap, head_d
         poisoned = tables[3][:(64 - window + 1) // block_size] + tables[1][:(60 - window + 1) // block_size]
         cache[:, poisoned] = float("nan")
     got = backend.forward(q, k, v, cache, meta, 0.3)
+    tol = 1e-5 if cache_dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("window,softcap,cache_dtype", [(19, None, torch.float32), (19, 30.0, torch.bfloat16),
+                                                        (40, 0.5, torch.float32)])
+def test_windowed_prefill_tiles_match_reference(make_backend, window, softcap, cache_dtype) -> None:
+    # Gemma-3-1B's attention shape (4 query heads on 1 kv head, head_dim 256, blocks of 16), windows that start
+    # mid-block and mid-sub-block and move inside a tile: prefill chunks of 40 and 33 tokens (tiles of 16 tokens
+    # x 4 heads, the AVX-512 transposed tile; tails of 8 and 1 token, the direct one) after contexts of 50 and 0,
+    # beside a decode at 70; a cap of 0.5 bends every score. NaN fills the blocks no window reaches.
+    gen = torch.Generator().manual_seed(7)
+    seqs = [(50, 40), (0, 33), (70, 1)]  # (context, query)
+    lens = [c + q for c, q in seqs]
+    block_size, num_heads, num_kv_heads, head_dim = 16, 4, 1, 256
+    tables = scattered_block_tables(lens, block_size, sum(-(-n // block_size) for n in lens) + 2, seed=9)
+    cache, meta, q, k, v = windowed_inputs(seqs, tables, block_size, num_heads, num_kv_heads, head_dim, cache_dtype,
+                                           gen)
+    want = ReferenceAttentionBackend(window, softcap).forward(q, k, v, cache.clone(), meta, head_dim ** -0.5)
+    for (context, _), table in zip(seqs, tables):  # the blocks before the chunk's first row's window
+        cache[:, table[:max(0, context - window + 1) // block_size]] = float("nan")
+    got = make_backend().with_window(window, softcap).forward(q, k, v, cache, meta, head_dim ** -0.5)
     tol = 1e-5 if cache_dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got, want, atol=tol, rtol=tol)

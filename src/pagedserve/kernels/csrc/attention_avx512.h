@@ -71,12 +71,15 @@ inline __m512 softcap512(__m512 s, float cap) {
   return _mm512_mul_ps(t, _mm512_set1_ps(cap));
 }
 
-// Online-softmax update of one row with its sub-block scores s, of which the first `limit` are keys the row
-// sees (causal), capped first when cap > 0: m and l move, p receives e^(s - m) (0 past limit); returns the
-// factor for the row's acc.
-inline float softmax_update(__m512 s, int64_t limit, float cap, float& m, float& l, float* p) {
-  const __mmask16 mask = limit <= 0 ? 0 : static_cast<__mmask16>((1u << limit) - 1u);
-  if (mask == 0) {  // every key of this sub-block is in this row's future
+// Online-softmax update of one row with its sub-block scores s, of which keys lo .. limit-1 are the ones the row
+// sees (causal: limit; a sliding window: lo), capped first when cap > 0: m and l move, p receives e^(s - m) (0
+// outside [lo, limit)); returns the factor for the row's acc.
+inline float softmax_update(__m512 s, int64_t lo, int64_t limit, float cap, float& m, float& l, float* p) {
+  const auto below = [](int64_t n) {  // lanes 0 .. n-1
+    return n <= 0 ? 0u : n >= 16 ? 0xFFFFu : (1u << n) - 1u;
+  };
+  const __mmask16 mask = static_cast<__mmask16>(below(limit) & ~below(lo));
+  if (mask == 0) {  // every key of this sub-block is in this row's future (or left its window)
     _mm512_storeu_ps(p, _mm512_setzero_ps());
     return 1.f;
   }
@@ -166,6 +169,12 @@ inline int64_t causal_limit(const Tile& t, int64_t row, int64_t kp0) {
   return t.pos0 + (row / t.group) % t.n_q + 1 - kp0;
 }
 
+// How many keys from position kp0 on are before the row's window (0 without one): the sub-block's first visible
+// key for that row.
+inline int64_t window_start(const Tile& t, int64_t row, int64_t kp0) {
+  return t.window > 0 ? t.pos0 + (row / t.group) % t.n_q - t.window + 1 - kp0 : 0;
+}
+
 // The first 64-byte aligned float at or after p (its buffer has 16 floats to spare): aligned loads of kt, and
 // accumulator rows that do not straddle cache lines.
 inline float* align64(float* p) { return p + (16 - (reinterpret_cast<uintptr_t>(p) / sizeof(float)) % 16) % 16; }
@@ -213,8 +222,9 @@ void attend_rows_transposed(const Tile& t, const float* q, float* acc, float* m,
             s0 = _mm512_fmadd_ps(_mm512_set1_ps(qr[d]), _mm512_load_ps(kt + d * 16), s0);
             s1 = _mm512_fmadd_ps(_mm512_set1_ps(qr[d + 1]), _mm512_load_ps(kt + (d + 1) * 16), s1);
           }
-          corr[r] = softmax_update(_mm512_add_ps(s0, s1), std::min(nk, causal_limit(t, r0 + r, kp0)), t.softcap,
-                                   m[r0 + r], l[r0 + r], p + r * 16);
+          corr[r] = softmax_update(_mm512_add_ps(s0, s1), window_start(t, r0 + r, kp0),
+                                   std::min(nk, causal_limit(t, r0 + r, kp0)), t.softcap, m[r0 + r], l[r0 + r],
+                                   p + r * 16);
         }
         accumulate_pv_n<RC, NV, float>(nr, acc + r0 * D, p, corr, vh, vs * sizeof(float), nk, D);
       }
@@ -260,7 +270,8 @@ void direct_pass(const Tile& t, const float* q, float* acc, float* m, float* l, 
     __m512 s = sum_lanes16(part[r]);
     if constexpr (is_8bit_v<CT>) s = _mm512_mul_ps(s, _mm512_load_ps(scales));  // lanes past nk: masked
     const int64_t row = r0 + r;
-    corr[r] = softmax_update(s, std::min(nk, causal_limit(t, row, kp0)), t.softcap, m[row], l[row], p + r * 16);
+    corr[r] = softmax_update(s, window_start(t, row, kp0), std::min(nk, causal_limit(t, row, kp0)), t.softcap,
+                             m[row], l[row], p + r * 16);
   }
   accumulate_pv<NR, NV, CT>(acc + r0 * D, p, corr, vh, t.slot_bytes, nk, D);
 }

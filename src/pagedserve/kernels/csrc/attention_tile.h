@@ -183,8 +183,8 @@ inline void prefetch_ahead(const Tile& t, int64_t b, int64_t last_pos) {
   prefetch_block(t, b + kPrefetchBlocks, last_pos);
 }
 
-// Portable path: plain loops the compiler vectorizes; any head_dim, any block size; the path of windowed
-// tiles of more than one token (and, without AVX-512, of every windowed or capped tile). q: the tile's scaled
+// Portable path: plain loops the compiler vectorizes; any head_dim, any block size; the path of head sizes the
+// AVX-512 path has no variant for, of batch-invariant windowed tiles, and without AVX-512 of every tile. q: the tile's scaled
 // query rows; o: receives its output rows (lse, when set, their log-sum-exps).
 template <typename CT>
 inline void attend_rows_generic(const Tile& t, const float* q, float* o, float* lse, std::vector<float>& scratch) {
@@ -251,13 +251,14 @@ inline void attend_rows_generic(const Tile& t, const float* q, float* o, float* 
 template <typename CT>
 inline void attend_rows(const Tile& t, const float* q, float* o, float* lse, std::vector<float>& scratch) {
 #if defined(__AVX512F__)
-  // A decode tile (one token) has one window for all its rows: it walks from the window's first key, which
-  // need not start a block (the AVX-512 path reads sub-blocks from any position). Soft-capped scores are
-  // capped in registers (softcap512).
-  if (t.window == 0 || (t.n_q == 1 && !t.invariant)) {
+  // A windowed tile walks from its first row's first visible key, which need not start a block (the AVX-512 path
+  // reads sub-blocks from any position), and masks each row's keys before its own window (window_start), so a
+  // windowed prefill tile runs the transposed path as a plain one does. Soft-capped scores are capped in
+  // registers (softcap512). Batch-invariant windowed tiles keep the portable path: a row's sub-blocks would
+  // start at its tile's first row's window, so its sums would depend on the tile.
+  if (t.window == 0 || !t.invariant) {
     Tile u = t;
     u.key_begin = first_key(t);
-    u.window = 0;
     switch (u.head_dim) {
       case 64: return attend_rows_avx512<4, CT>(u, q, o, lse, scratch);
       case 128: return attend_rows_avx512<8, CT>(u, q, o, lse, scratch);

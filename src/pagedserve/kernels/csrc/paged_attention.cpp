@@ -23,9 +23,9 @@
 // Decode attention reads each key once per query token otherwise, and is bound by memory bandwidth.
 //
 // paged_attention_windowed adds a sliding window (a row at position p sees keys p - window + 1 .. p; a tile walks
-// from the block of its first row's first visible key) and Gemma 2's score cap (s = cap * tanh(s / cap)); windowed
-// tiles of several tokens run the portable path, decode tiles and capped ones the AVX-512 path where it applies
-// (attention_tile.h), and no prefix is shared.
+// from its first row's first visible key, masking each row's keys before its own window) and Gemma 2's score cap
+// (s = cap * tanh(s / cap)); windowed and capped tiles run the AVX-512 paths as plain ones do, prefill tiles the
+// transposed one (attention_tile.h; batch-invariant windowed tiles the portable path), and no prefix is shared.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
