@@ -10,7 +10,10 @@ Starts `pagedserve serve` (the embedded model, a 100 MB KV pool, prefaulted by d
     otherwise    a completion, 5-400 words of prompt (distinct prompts: the prefix cache keeps evicting)
 
 The grammar cache is bounded by bytes (StructuredOutputsConfig.cache_memory_bytes), so it can hold part of the
-growth by design; the result lists VmRSS, RssAnon and the peak (VmHWM) at every sample.
+growth by design; the result lists VmRSS, RssAnon and the peak (VmHWM) at every sample, and the grammar compile
+processes' memory (compile_worker.py: a zygote and a process per grammar thread, which share most of their pages)
+as the sum of their PSS and of their USS (smaps_rollup: PSS splits each shared page among its processes, USS
+counts only private ones), `children_pss` / `children_uss`; `total_pss` is the server's PSS plus theirs.
 
     python benchmarks/memory_soak.py [--num-requests 2000] [--concurrency 8] [--model PATH]
                                      [--out benchmarks/results/memory_soak.json] [-- extra serve flags]
@@ -48,6 +51,37 @@ def schema(i: int) -> dict:
         f"count_{i}": {"type": "integer", "minimum": i, "maximum": 1000 + i},
         "tags": {"type": "array", "items": {"type": "string", "maxLength": 8 + i % 5}, "maxItems": 3}},
         "required": [f"item_{i}", f"count_{i}"]}
+
+
+def smaps_mb(pid: int) -> tuple[float, float]:
+    """(PSS, USS) of one process, in MB (10^6 bytes)."""
+    fields = {}
+    with open(f"/proc/{pid}/smaps_rollup", encoding="utf-8") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) == 3 and parts[2] == "kB":
+                fields[parts[0].rstrip(":")] = int(parts[1]) * 1024 / 1e6
+    return fields["Pss"], fields["Private_Clean"] + fields["Private_Dirty"]
+
+
+def tree_memory(pid: int) -> dict[str, float]:
+    # The server's PSS and its descendants' (the grammar compile processes) PSS and USS sums.
+    import psutil
+
+    children = []
+    for child in psutil.Process(pid).children(recursive=True):
+        try:
+            children.append(smaps_mb(child.pid))
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            pass  # gone meanwhile
+    own_pss = smaps_mb(pid)[0]
+    child_pss = sum(p for p, _ in children)
+    return {"children": len(children), "children_pss": round(child_pss, 1),
+            "children_uss": round(sum(u for _, u in children), 1), "total_pss": round(own_pss + child_pss, 1)}
+
+
+def memory_status(pid: int) -> dict[str, float]:
+    return {**read_status(pid), **tree_memory(pid)}
 
 
 def words(rng: random.Random, n: int) -> str:
@@ -107,9 +141,12 @@ async def soak(url: str, pid: int, num_requests: int, concurrency: int, kinds: s
                     errors.append(f"{status} {path}: {error}")
                 done += 1
                 if done % sample_every == 0:
-                    samples.append({"requests": done, "seconds": round(time.monotonic() - t0, 1), **read_status(pid)})
+                    samples.append({"requests": done, "seconds": round(time.monotonic() - t0, 1),
+                                    **memory_status(pid)})
                     print(f"{done:5d} requests  RSS {samples[-1]['VmRSS']:7.1f} MB  anon {samples[-1]['RssAnon']:7.1f}"
-                          f"  peak {samples[-1]['VmHWM']:7.1f}", flush=True)
+                          f"  peak {samples[-1]['VmHWM']:7.1f}  compile processes {samples[-1]['children']}: PSS "
+                          f"{samples[-1]['children_pss']:5.1f} USS {samples[-1]['children_uss']:5.1f}  total PSS "
+                          f"{samples[-1]['total_pss']:7.1f}", flush=True)
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
     return samples, statuses, errors
@@ -146,8 +183,10 @@ def main() -> None:
             if time.monotonic() > deadline:
                 raise RuntimeError("server did not become healthy")
             time.sleep(0.5)
-        start = read_status(proc.pid)
-        print(f"start          RSS {start['VmRSS']:7.1f} MB  anon {start['RssAnon']:7.1f}", flush=True)
+        start = memory_status(proc.pid)
+        print(f"start          RSS {start['VmRSS']:7.1f} MB  anon {start['RssAnon']:7.1f}  compile processes "
+              f"{start['children']}: PSS {start['children_pss']:5.1f} USS {start['children_uss']:5.1f}  total PSS "
+              f"{start['total_pss']:7.1f}", flush=True)
         kinds = {int(k) for k in args.kinds.split(",")}
         samples, statuses, errors = asyncio.run(soak(url, proc.pid, args.num_requests, args.concurrency, kinds,
                                                      args.sample_every))
@@ -160,9 +199,12 @@ def main() -> None:
               "num_requests": args.num_requests, "concurrency": args.concurrency, "num_schemas": NUM_SCHEMAS,
               "kinds": args.kinds, "statuses": statuses, "errors": errors, "start_up_log": memory_line, "start_mb": start, "samples_mb": samples,
               "growth_mb": round(final["VmRSS"] - start["VmRSS"], 1),
-              "max_growth_mb": round(max(s["VmRSS"] for s in samples or [start]) - start["VmRSS"], 1)}
+              "max_growth_mb": round(max(s["VmRSS"] for s in samples or [start]) - start["VmRSS"], 1),
+              "total_pss_growth_mb": round(final["total_pss"] - start["total_pss"], 1),
+              "max_total_pss_growth_mb": round(max(s["total_pss"] for s in samples or [start]) - start["total_pss"], 1)}
     print(f"growth over {args.num_requests} requests: {result['growth_mb']} MB (max {result['max_growth_mb']} MB); "
-          f"statuses {statuses} {errors[:3]}")
+          f"with the compile processes (total PSS) {result['total_pss_growth_mb']} MB "
+          f"(max {result['max_total_pss_growth_mb']} MB); statuses {statuses} {errors[:3]}")
     write_json(args.out, result)
 
 

@@ -301,6 +301,10 @@ class StructuredOutputsConfig:
     # within 50 MB of its start-up memory (benchmarks/memory_soak.py); a small schema compiles in ~0.05 s.
     cache_size: int = 16
     cache_memory_bytes: int = 64 << 20
+    # Each grammar thread compiles in a process of its own, killed when a compile passes the timeout (xgrammar
+    # cannot cancel one): structured_output/compile_worker.py. False: compiles run on the threads, and one past
+    # the timeout runs on to its end.
+    compile_process: bool = True
 
     def __post_init__(self) -> None:
         if not self.compile_timeout_s > 0:

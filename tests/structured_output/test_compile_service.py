@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
+import psutil
 import pytest
 
 from pagedserve.config import StructuredOutputsConfig
 from pagedserve.sampling_params import StructuredOutputsParams
 from pagedserve.structured_output.backend import NUM_COMPILE_THREADS, GrammarCompileService, grammar_spec
 from tests.server.fake_engine import VOCAB, word_tokenizer
+
+
+PROCESS_TIMEOUT_S = 3.0  # a compile process starts within it (the killed ones' successors)
 
 
 def service(**config) -> GrammarCompileService:
@@ -66,13 +71,14 @@ def test_a_burst_of_compiles_takes_a_fixed_number_of_threads():
     svc.shutdown()
 
 
-def test_a_queued_compile_is_dropped_when_its_request_times_out():
-    svc = service(compile_timeout_s=0.3)
+@pytest.mark.parametrize("compile_process", [True, False])
+def test_a_queued_compile_is_dropped_when_its_request_times_out(compile_process):
+    svc = service(compile_timeout_s=0.3, compile_process=compile_process)
     gate, compile_now = threading.Event(), svc._compile
 
-    def held(spec):  # the first compiles take both threads until the gate opens
+    def held(spec, *args):  # the first compiles take both threads until the gate opens
         gate.wait(30)
-        return compile_now(spec)
+        return compile_now(spec, *args)
 
     svc._compile = held
     busy = [svc.compile(choices(num)) for num in range(1, NUM_COMPILE_THREADS + 1)]
@@ -88,15 +94,15 @@ def test_a_queued_compile_is_dropped_when_its_request_times_out():
     svc.shutdown()
 
 
-def test_a_compile_past_its_timeout_frees_its_slot():
-    svc = service(compile_timeout_s=0.3)
+def test_without_processes_a_compile_past_its_timeout_frees_its_slot():
+    svc = service(compile_timeout_s=0.3, compile_process=False)
     gate, compile_now = threading.Event(), svc._compile
     slow = {grammar_spec(choices(num)) for num in range(1, NUM_COMPILE_THREADS + 1)}
 
-    def held(spec):  # the slow compiles run until the gate opens, far past the timeout
+    def held(spec, *args):  # the slow compiles run until the gate opens, far past the timeout
         if spec in slow:
             gate.wait(30)
-        return compile_now(spec)
+        return compile_now(spec, *args)
 
     svc._compile = held
     busy = [svc.compile(choices(num)) for num in range(1, NUM_COMPILE_THREADS + 1)]
@@ -110,6 +116,45 @@ def test_a_compile_past_its_timeout_frees_its_slot():
     svc.shutdown()
 
 
+def test_an_overrunning_compile_is_killed_with_its_process():
+    # xgrammar cannot cancel a compile: each grammar thread compiles in a process, killed at the timeout. Two
+    # pathological choice lists hold both slots; both are killed, and a small regex compiles right after.
+    svc = service(compile_timeout_s=PROCESS_TIMEOUT_S)
+    slow = [svc.compile(choices(200_000 + k)) for k in range(NUM_COMPILE_THREADS)]
+    deadline = time.monotonic() + 60
+    while len(svc.process_ids()) < NUM_COMPILE_THREADS and time.monotonic() < deadline:
+        time.sleep(0.05)
+    killed = svc.process_ids()
+    assert len(killed) == NUM_COMPILE_THREADS
+    for fut in slow:
+        with pytest.raises(ValueError, match="did not compile within"):
+            svc.wait(fut)
+    assert _gone(killed)
+    regex = svc.compile(StructuredOutputsParams(regex="t1+"))
+    assert svc.wait(regex).memory_size_bytes > 0
+    assert svc.compile(StructuredOutputsParams(regex="t1+")) is regex  # cached
+    with pytest.raises(ValueError, match="did not compile within"):  # the timed-out spec's error is cached
+        svc.wait(svc.compile(choices(200_000)))
+    alive = svc.process_ids()
+    assert alive and not set(alive) & set(killed)
+    svc.shutdown()
+    assert _gone(alive)  # no process outlives the service
+
+
+def _gone(pids: list[int]) -> bool:
+    # Killed (a zombie until its thread reaps it, within moments), or reaped.
+    def running(pid: int) -> bool:
+        try:
+            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    deadline = time.monotonic() + 30
+    while any(running(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not any(running(pid) for pid in pids)
+
+
 @pytest.mark.parametrize("waiter", ["thread", "asyncio"])
 def test_the_one_time_tokenizer_tables_do_not_count_against_the_timeout(waiter, monkeypatch):
     # On a busy machine the tables can take longer than the timeout; the first request must not get a 400.
@@ -118,11 +163,11 @@ def test_the_one_time_tokenizer_tables_do_not_count_against_the_timeout(waiter, 
     build = xgr.TokenizerInfo.from_huggingface
 
     def slow_build(*args, **kwargs):
-        threading.Event().wait(1.0)
+        threading.Event().wait(2.0)
         return build(*args, **kwargs)
 
     monkeypatch.setattr(xgr.TokenizerInfo, "from_huggingface", slow_build)
-    svc = service(compile_timeout_s=0.3)
+    svc = service(compile_timeout_s=1.5)  # the compile itself (a process forked, 3 choices) well within it
     fut = svc.compile(choices(3))
     grammar = svc.wait(fut) if waiter == "thread" else asyncio.run(svc.wait_async(fut))
     assert grammar is not None and fut.result() is grammar

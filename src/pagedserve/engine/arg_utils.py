@@ -62,6 +62,7 @@ class EngineArgs:
     tensor_parallel_size: int = _default(ParallelConfig, "tensor_parallel_size")
     distributed_timeout: float = _default(ParallelConfig, "distributed_timeout_s")  # seconds
     structured_outputs_compile_timeout: float = _default(StructuredOutputsConfig, "compile_timeout_s")
+    structured_outputs_compile_process: bool = _default(StructuredOutputsConfig, "compile_process")
     # JSON text, a dict or a KVEventsConfig (vLLM's --kv-events-config); None = no KV events.
     kv_events_config: KVEventsConfig | dict | str | None = None
 
@@ -151,6 +152,10 @@ class EngineArgs:
         g.add_argument("--structured-outputs-compile-timeout", type=float,
                        default=d.structured_outputs_compile_timeout, metavar="S",
                        help="seconds a grammar (JSON schema, regex, ...) may compile before the request is refused")
+        g.add_argument("--structured-outputs-compile-process", action=argparse.BooleanOptionalAction,
+                       default=d.structured_outputs_compile_process,
+                       help="compile grammars in processes of their own, killed when a compile passes the timeout "
+                            "(default on; off: compiles run on threads, and one past the timeout runs on)")
         g.add_argument("--kv-events-config", default=None, metavar="JSON",
                        help='publish prefix-cache stores and evictions over ZMQ in vLLM\'s format, e.g. '
                             '{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557"} (docs/kv_events.md)')
@@ -182,7 +187,8 @@ class EngineArgs:
             device=DeviceConfig(self.device, self.num_threads),
             speculative=SpeculativeConfig.parse(self.speculative_config),
             parallel=ParallelConfig(self.tensor_parallel_size, self.distributed_timeout),
-            structured_outputs=StructuredOutputsConfig(self.structured_outputs_compile_timeout),
+            structured_outputs=StructuredOutputsConfig(
+                self.structured_outputs_compile_timeout, compile_process=self.structured_outputs_compile_process),
             kv_events=KVEventsConfig.parse(self.kv_events_config))
         check_offload_config(config)
         return config

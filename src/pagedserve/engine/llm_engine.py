@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Sequence
 
 from pagedserve.config import EngineConfig
@@ -34,6 +35,8 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.processor = Processor(loaded, config.model, self.max_model_len, config.structured_outputs,
                                    config.scheduler)
+        # The grammar compile processes and threads end with this engine (the server's shuts them down itself).
+        weakref.finalize(self, self.processor.grammars.shutdown)
         self.output_processor = OutputProcessor(loaded.tokenizer)
         self.token_texts = self.output_processor.token_texts
         # Requests that failed since the caller last looked (request id -> error); see take_failures().

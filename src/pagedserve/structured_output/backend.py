@@ -7,8 +7,12 @@
 
 Compiles wait in one queue for NUM_COMPILE_THREADS grammar threads (a burst of 1,000 schemas makes no more
 threads). A compile still queued when its request times out is dropped. xgrammar cannot cancel a running
-compile: one that runs past the timeout fails its request at once and gives its slot to a new thread (up to
-MAX_OVERRUNNING_COMPILES such), but finishes (or not) on its own thread. Its future stays cached, so the same spec sent again waits on that compile instead of starting another one.
+compile, so each grammar thread compiles in a process of its own (compile_worker.py: forked from a zygote that
+holds the tokenizer tables; StructuredOutputsConfig.compile_process): a compile past the timeout is killed with
+its process, its slot free at once, and the thread's next compile forks a new one. The timed-out spec stays
+cached with its error until evicted, so sending it again costs nothing. Without the processes (compile_process False) a
+compile past the timeout fails its request and gives its slot to a new thread (up to MAX_OVERRUNNING_COMPILES
+such), but runs on to its end on its own thread.
 The cache holds at most cache_size grammars and cache_memory_bytes of their memory, least recently used out
 (the most recent one stays even when larger than that).
 """
@@ -26,6 +30,7 @@ from typing import Any
 from pagedserve.config import StructuredOutputsConfig
 from pagedserve.niceness import yield_cpu_to_the_engine
 from pagedserve.sampling_params import SamplingParams, StructuredOutputsParams
+from pagedserve.structured_output.compile_worker import CompileProcess, CompileTimeout, CompileZygote, compile_spec
 from pagedserve.structured_output.schema import check_schema, load_schema
 
 NUM_COMPILE_THREADS = 2
@@ -34,6 +39,19 @@ NUM_COMPILE_THREADS = 2
 MAX_OVERRUNNING_COMPILES = 4
 # xgrammar prefixes its errors with a timestamp and a C++ source location; the user needs only the message.
 _CPP_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
+
+
+@dataclass(frozen=True, slots=True)
+class _Tables:
+    # The one-time build: xgrammar's tokenizer tables, and the compiler (threads) or the compile processes' zygote.
+    info: Any
+    compiler: Any
+    zygote: CompileZygote | None
+
+
+@dataclass(slots=True)
+class _Slot:
+    process: CompileProcess | None = None  # a grammar thread's compile process, started with its first compile
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +97,8 @@ class GrammarCompileService:
         self._queued = threading.Condition(self._lock)
         self._num_threads = 0  # threads taking compiles from the queue: at most NUM_COMPILE_THREADS
         self._overrunning: set[concurrent.futures.Future] = set()  # past the timeout, their threads given up
+        self._processes: dict[concurrent.futures.Future, CompileProcess] = {}  # compiles running in a process
+        self._idle_processes: set[CompileProcess] = set()  # the grammar threads' processes between compiles
         self._closed = False
 
     @property
@@ -144,7 +164,10 @@ class GrammarCompileService:
                 for spec, cached in list(self._cache.items()):
                     if cached is fut:
                         del self._cache[spec]
-            elif fut.running() and fut not in self._overrunning and len(self._overrunning) < MAX_OVERRUNNING_COMPILES:
+            elif fut in self._processes:
+                self._processes[fut].stop()  # its grammar thread sees it die and takes the queue on
+            elif (not self.config.compile_process and fut.running() and fut not in self._overrunning
+                  and len(self._overrunning) < MAX_OVERRUNNING_COMPILES):
                 self._overrunning.add(fut)
                 self._num_threads -= 1
                 if self._queue:
@@ -174,24 +197,36 @@ class GrammarCompileService:
 
             info = xgr.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self._vocab_size,
                                                       stop_token_ids=self._eos)
-            self._compiler.set_result(xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False))
+            if self.config.compile_process:  # the tables travel to the compile processes' zygote as JSON
+                zygote = CompileZygote(info.serialize_json())
+                with self._lock:
+                    if self._closed:  # shut down while the tables were built
+                        zygote.close()
+                self._compiler.set_result(_Tables(info, None, zygote))
+            else:
+                self._compiler.set_result(_Tables(info, xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False),
+                                                  None))
         except BaseException as exc:  # noqa: BLE001 (every compile reports it)
             self._compiler.set_exception(exc)
 
     def _run(self) -> None:
         yield_cpu_to_the_engine()  # compiles run on the cycles the engine leaves, like the tokenizer thread
+        slot = _Slot()
         while True:
             with self._lock:
                 while not self._queue and not self._closed:
                     self._queued.wait()
                 if self._closed:
                     self._num_threads -= 1
+                    self._idle_processes.discard(slot.process)
+                    if slot.process is not None:
+                        slot.process.stop()
                     return
                 spec, fut = self._queue.popleft()
             if not fut.set_running_or_notify_cancel():
                 continue  # its requests timed out while it waited
             try:
-                grammar = self._compile(spec)
+                grammar = self._compile(spec, fut, slot)
                 num_bytes = int(grammar.memory_size_bytes)  # xgrammar's estimate, a property
             except BaseException as exc:  # noqa: BLE001 (delivered to every waiter)
                 grammar, num_bytes = exc, 0
@@ -208,31 +243,59 @@ class GrammarCompileService:
             if overran:
                 return  # its slot went to another thread when it passed the timeout
 
-    def _compile(self, spec: GrammarSpec) -> Any:
-        compiler = self._compiler.result()
+    def _compile(self, spec: GrammarSpec, fut: concurrent.futures.Future, slot: _Slot) -> Any:
+        tables = self._compiler.result()
+        if spec.kind == "json":
+            check_schema(json.loads(spec.text), spec.text, self.timeout_s)
         try:
-            if spec.kind == "json":
-                check_schema(json.loads(spec.text), spec.text, self.timeout_s)
-                # Compact separators, no free whitespace: a small model left free whitespace can pad forever.
-                return compiler.compile_json_schema(spec.text, any_whitespace=False, strict_mode=True)
-            if spec.kind == "json_object":
-                # Any object (OpenAI's json_object), not any JSON value; properties are free.
-                return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
-            if spec.kind == "regex":
-                return compiler.compile_regex(spec.text)
-            return compiler.compile_grammar(spec.text)
+            if tables.compiler is not None:
+                return compile_spec(tables.compiler, spec.kind, spec.text)
+            return self._compile_in_process(spec, fut, slot, tables)
         except RuntimeError as e:
             what = {"json": "JSON schema", "json_object": "JSON grammar", "regex": "regex"}.get(spec.kind, "grammar")
             raise ValueError(f"the {what} cannot be compiled: {_CPP_PREFIX.sub('', str(e)).strip()}") from None
 
+    def _compile_in_process(self, spec: GrammarSpec, fut: concurrent.futures.Future, slot: _Slot,
+                            tables: _Tables) -> Any:
+        import xgrammar as xgr
+
+        if slot.process is None:
+            slot.process = tables.zygote.new_process()
+        with self._lock:
+            self._idle_processes.discard(slot.process)
+            self._processes[fut] = slot.process
+        try:
+            text = slot.process.compile(spec.kind, spec.text, self.timeout_s)
+        except (CompileTimeout, ValueError) as exc:  # killed: past the timeout, stopped by a waiter, or died
+            slot.process = None
+            raise ValueError(self._timeout_message() if isinstance(exc, CompileTimeout) else str(exc)) from None
+        finally:
+            with self._lock:
+                del self._processes[fut]
+                if slot.process is not None:
+                    self._idle_processes.add(slot.process)
+        return xgr.CompiledGrammar.deserialize_json(text, tables.info)
+
+    def process_ids(self) -> list[int]:
+        """The compile processes' pids."""
+        with self._lock:
+            return [p.pid for p in (*self._processes.values(), *self._idle_processes)]
+
     def shutdown(self) -> None:
-        # Compiles not started yet are cancelled; a running one is left to its thread.
+        # Compiles not started yet are cancelled; the compile processes are killed (a running compile then
+        # fails); a compile running on a thread (compile_process False) is left to it.
         with self._lock:
             self._closed = True
             for _, fut in self._queue:
                 fut.cancel()
             self._queue.clear()
             self._queued.notify_all()
+            processes = [*self._processes.values(), *self._idle_processes]
+        for process in processes:
+            process.stop()
+        tables = self._compiler
+        if tables is not None and tables.done() and tables.exception() is None and tables.result().zygote is not None:
+            tables.result().zygote.close()
 
 
 def check_first_token(grammar: Any, params: SamplingParams) -> None:
