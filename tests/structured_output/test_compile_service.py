@@ -172,3 +172,19 @@ def test_the_one_time_tokenizer_tables_do_not_count_against_the_timeout(waiter, 
     grammar = svc.wait(fut) if waiter == "thread" else asyncio.run(svc.wait_async(fut))
     assert grammar is not None and fut.result() is grammar
     svc.shutdown()
+
+
+def test_compiles_go_on_after_the_zygote_dies():
+    # The zygote (and with it every idle compile process) killed from outside: the next compile starts another
+    # zygote instead of failing every later structured request.
+    svc = service()
+    assert svc.wait(svc.compile(StructuredOutputsParams(regex="t1+"))).memory_size_bytes > 0
+    zygote = svc._compiler.result().zygote.proc
+    idle = svc.process_ids()
+    zygote.kill()
+    zygote.wait()
+    assert _gone(idle)  # the compile processes die with it
+    grammar = svc.wait(svc.compile(StructuredOutputsParams(regex="t2+")))
+    assert grammar.memory_size_bytes > 0
+    assert svc._compiler.result().zygote.proc.pid != zygote.pid
+    svc.shutdown()

@@ -30,7 +30,8 @@ from typing import Any
 from pagedserve.config import StructuredOutputsConfig
 from pagedserve.niceness import yield_cpu_to_the_engine
 from pagedserve.sampling_params import SamplingParams, StructuredOutputsParams
-from pagedserve.structured_output.compile_worker import CompileProcess, CompileTimeout, CompileZygote, compile_spec
+from pagedserve.structured_output.compile_worker import (CompileProcess, CompileProcessGone, CompileTimeout, CompileZygote,
+                                                         compile_spec)
 from pagedserve.structured_output.schema import check_schema, load_schema
 
 NUM_COMPILE_THREADS = 2
@@ -265,8 +266,14 @@ class GrammarCompileService:
             self._idle_processes.discard(slot.process)
             self._processes[fut] = slot.process
         try:
-            text = slot.process.compile(spec.kind, spec.text, self.timeout_s)
-        except (CompileTimeout, ValueError) as exc:  # killed: past the timeout, stopped by a waiter, or died
+            try:
+                text = slot.process.compile(spec.kind, spec.text, self.timeout_s)
+            except CompileProcessGone:  # it died idle (with its zygote): the compile never started, so once more
+                slot.process = tables.zygote.new_process()
+                with self._lock:
+                    self._processes[fut] = slot.process
+                text = slot.process.compile(spec.kind, spec.text, self.timeout_s)
+        except (CompileTimeout, CompileProcessGone, ValueError) as exc:  # killed (timeout, a waiter) or died
             slot.process = None
             raise ValueError(self._timeout_message() if isinstance(exc, CompileTimeout) else str(exc)) from None
         finally:

@@ -33,6 +33,10 @@ class CompileTimeout(Exception):
     """The compile passed its timeout, or a waiter stopped it: its process is killed."""
 
 
+class CompileProcessGone(Exception):
+    """The process had exited before it was sent the compile (with its zygote): the compile never started."""
+
+
 class CompileProcess:
     def __init__(self, pid: int, conn: Connection) -> None:
         self.pid = pid
@@ -44,6 +48,10 @@ class CompileProcess:
         refuses; CompileTimeout past timeout_s or after stop(); ValueError when the process died otherwise."""
         try:
             self.conn.send((kind, text))
+        except OSError:
+            self.conn.close()
+            raise CompileProcessGone("the grammar compile process exited") from None
+        try:
             if not self.conn.poll(timeout_s):
                 self.stop()
             else:
@@ -68,31 +76,53 @@ class CompileProcess:
 
 
 class CompileZygote:
+    """The zygote's server end. If the zygote dies (killed by hand, OOM), the next new_process starts another
+    from the same tables, so one lost process does not fail every later structured request."""
+
     def __init__(self, tokenizer_info_json: str) -> None:
+        self._tables = tokenizer_info_json.encode()
+        self._lock = threading.Lock()
+        self._start()
+
+    def _start(self) -> None:
         ours, theirs = socket.socketpair()
         self.proc = subprocess.Popen(
             [sys.executable, "-c", "from pagedserve.structured_output.compile_worker import zygote; zygote()",
              str(theirs.fileno())], pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
         theirs.close()
         self._sock = ours
-        self._lock = threading.Lock()
-        data = tokenizer_info_json.encode()
-        ours.sendall(struct.pack("q", len(data)) + data)
+        ours.sendall(struct.pack("q", len(self._tables)) + self._tables)
         if _recv_exactly(ours, 1) != b"r":  # ready: the tables are built
             raise RuntimeError("the grammar compile zygote failed to start")
 
     def new_process(self) -> CompileProcess:
-        ours, theirs = socket.socketpair()
         with self._lock:
+            try:
+                return self._fork()
+            except (EOFError, OSError):  # the zygote died: start another (seconds) and fork from it
+                self.proc.kill()
+                self.proc.wait()
+                self._sock.close()
+                self._start()
+                return self._fork()
+
+    def _fork(self) -> CompileProcess:
+        ours, theirs = socket.socketpair()
+        try:
             socket.send_fds(self._sock, [b"f"], [theirs.fileno()])
-            theirs.close()
             (pid,) = struct.unpack("q", _recv_exactly(self._sock, 8))
+        except (EOFError, OSError):
+            ours.close()
+            raise
+        finally:
+            theirs.close()
         return CompileProcess(pid, Connection(ours.detach()))
 
     def close(self) -> None:
-        self.proc.kill()
-        self.proc.wait()
-        self._sock.close()
+        with self._lock:
+            self.proc.kill()
+            self.proc.wait()
+            self._sock.close()
 
 
 def _recv_exactly(sock: socket.socket, n: int) -> bytes:
