@@ -5,6 +5,8 @@
     python benchmarks/gguf_gemv.py --rows 1,2,4,8 --out benchmarks/results/gguf_gemv.json
     python benchmarks/gguf_gemv.py --model llama1b --types Q4_K,Q6_K --rows 1,4,8,16 --isas baseline
     python benchmarks/gguf_gemv.py --model llama1b --prefill --types Q4_K,Q6_K    # rows 64 .. 2048, bf16 x
+    python benchmarks/gguf_gemv.py --model llama1b --prefill --types Q4_K,Q6_K --rows 128,512,1024 --threads 1 \
+        --paths "mm bf16,int8 bf16,brgemm bf16" --shapes qkv_proj,o_proj,gate_up_proj,down_proj,lm_head --vocab 128256
 
 --model smollm (default): the embedded model's shapes (SmolLM2-135M: hidden 576, intermediate 1536, vocab
 49152; Q4_1 layers, the tied LM head Q8_0) with random blocks. --model llama1b: Llama-3.2-1B's (hidden 2048,
@@ -24,7 +26,16 @@ microseconds per call, the median over rounds that interleave the paths:
 runs on CPUs without AMX, the LM head left out (a prefill multiplies only its sampled rows):
   tiles bf16  bf16 tiles dequantized per call + torch's bf16 GEMM: the path PAGEDSERVE_GGUF_INT8=0 takes
   int8 bf16   gemm_gguf_int8 on bf16 x (from 32 rows the register tiles of csrc/gguf_int8_tiles.h)
-with "busy": CPU seconds per wall second of the int8 calls (2.0: both threads of --threads 2 at work).
+  brgemm bf16 gemm_gguf_bf16 (csrc/gguf_bf16.cpp; CPUs with AVX512-BF16 or AMX): bf16 panels rebuilt per call
+              and oneDNN's brgemm micro-kernel
+  mm bf16     torch.mm on the weight already in bf16 (dequantized once, outside the timing; weights warm):
+              the dense bf16 GEMM a bf16 checkpoint runs, what the others are measured against
+--paths picks among these; the shapes are the fused ones (qkv_proj, gate_up_proj) unless --shapes names the
+unfused ones, and lm_head (--vocab rows; 49,152 in the benchmark models) only where --shapes names it. Per path
+GMAC/s of wall time, GMAC per CPU second (the machine may be shared: this is the figure that survives load),
+and "busy" (CPU seconds per wall second: 2.0 when both threads of --threads 2 work). Then per shape the cost
+of rebuilding the weight as bf16, CPU ns per weight: dequant_gguf + .to(bfloat16) (the tiles' way) and
+dequant_gguf_bf16 (the panels' rebuild).
 Then GB/s: the weight bytes read per second by each path. Run with another checkout's interpreter to time its
 gemm_gguf (paths it lacks are left out). --out also writes the table as JSON, with the load average before
 and after (the machine may be shared).
@@ -52,6 +63,10 @@ SHAPES = [("qkv_proj", 960, 576, GGMLQuantizationType.Q4_1), ("o_proj", 576, 576
 # (name, rows, cols) of Llama-3.2-1B; each is timed in every type of --types
 LLAMA_1B_SHAPES = [("q/o_proj", 2048, 2048), ("k/v_proj", 512, 2048), ("gate/up_proj", 8192, 2048),
                    ("down_proj", 2048, 8192), ("lm_head", 49152, 2048)]
+# --prefill: the fused projections a prefill step multiplies (lm_head only when --shapes names it)
+LLAMA_1B_PREFILL_SHAPES = [("qkv_proj", 3072, 2048), ("o_proj", 2048, 2048), ("gate_up_proj", 16384, 2048),
+                           ("down_proj", 2048, 8192), ("lm_head", 49152, 2048)]
+PREFILL_PATHS = ("tiles bf16", "int8 bf16", "brgemm bf16", "mm bf16")
 SPAN_BYTES = 96 << 20
 
 
@@ -80,9 +95,27 @@ def paths(ops, qtype: int, cols: int, other_isas: list[str]):
     if hasattr(ops, "gguf_int8_types") and qtype in ops.gguf_int8_types():
         out["int8 f32"] = lambda x, w: ops.gemm_gguf_int8(x[0], w, qtype, None)
         out["int8 bf16"] = lambda x, w: ops.gemm_gguf_int8(x[1], w, qtype, None)
+    if hasattr(ops, "gguf_bf16_types") and qtype in ops.gguf_bf16_types():
+        out["brgemm bf16"] = lambda x, w: ops.gemm_gguf_bf16(x[1], w, qtype, None)
     for name in other_isas:
         other = kernels.load_isa(name)
         out[f"f32 {name}"] = lambda x, w, other=other: other.gemm_gguf(x[0], w, qtype, None)
+    return out
+
+
+def rebuild_cost(ops, qtype: int, cols: int, ws: list[torch.Tensor]) -> dict[str, float]:
+    # CPU ns per weight to rebuild the weight as bf16: dequant_gguf + .to(bfloat16), and dequant_gguf_bf16 where built
+    fns = {"dequant_gguf + to(bf16)": lambda x, w: gguf_dequantize(GGUFWeight((qtype,), (w,), cols)).bfloat16()}
+    if hasattr(ops, "gguf_bf16_types") and qtype in ops.gguf_bf16_types():
+        fns["dequant_gguf_bf16"] = lambda x, w: ops.dequant_gguf_bf16(w, qtype)
+    out, pos = {}, 0
+    for p, fn in fns.items():
+        us = []
+        for _ in range(3):
+            t, pos, cpu = time_path(fn, (None, None), ws, pos)
+            us.append(t * cpu)
+        out[p] = round(statistics.median(us) * 1e3 / ws[0].shape[0] / cols, 3)
+    print("  rebuild as bf16, CPU ns per weight: " + ", ".join(f"{p} {v}" for p, v in out.items()))
     return out
 
 
@@ -108,6 +141,8 @@ def main() -> None:
     ap.add_argument("--model", choices=("smollm", "llama1b"), default="smollm")
     ap.add_argument("--types", default=",".join(t[0] for t in GGUF_BLOCK_TYPES.values()), help="llama1b's types")
     ap.add_argument("--isas", default="", help="other kernel variants whose gemm_gguf f32 to time too")
+    ap.add_argument("--paths", default=",".join(PREFILL_PATHS[:3]), help="--prefill: the paths to time")
+    ap.add_argument("--vocab", type=int, default=49152, help="llama1b: the LM head's rows")
     ap.add_argument("--out", help="also write the results as JSON here")
     args = ap.parse_args()
     args.rows = args.rows or ("64,128,256,512,1024,2048" if args.prefill else "1,2,4,8,16,32,64")
@@ -121,15 +156,26 @@ def main() -> None:
     if args.model == "smollm":
         shapes = SHAPES
     else:
-        shapes = [(f"{name} {t}", rows, cols, GGMLQuantizationType[t]) for name, rows, cols in LLAMA_1B_SHAPES
-                  for t in args.types.split(",") if not (args.prefill and name == "lm_head")]
+        listed = LLAMA_1B_SHAPES
+        if args.prefill:
+            named = (args.shapes or "").split(",")
+            listed = [s for s in LLAMA_1B_PREFILL_SHAPES if s[0] != "lm_head" or "lm_head" in named]
+            if set(named) & {"q/o_proj", "k/v_proj", "gate/up_proj"}:
+                listed = LLAMA_1B_SHAPES
+        shapes = [(f"{name} {t}", args.vocab if name == "lm_head" else rows, cols, GGMLQuantizationType[t])
+                  for name, rows, cols in listed for t in args.types.split(",")]
     for name, rows, cols, qtype in shapes:
         if args.shapes and name.split(" ")[0] not in args.shapes.split(","):
             continue
         ws = copies(rows, cols, qtype, quantized=args.model == "smollm")
         fns = paths(ops, int(qtype), cols, [i for i in args.isas.split(",") if i])
         if args.prefill:
-            fns = {p: fn for p, fn in fns.items() if p in ("tiles bf16", "int8 bf16")}
+            wanted = args.paths.split(",")
+            if "mm bf16" in wanted:
+                dense = gguf_dequantize(GGUFWeight((int(qtype),), (ws[0],), cols)).bfloat16()
+                fns["mm bf16"] = lambda x, w, dense=dense: x[1] @ dense.t()
+            fns = {p: fns[p] for p in wanted if p in fns}
+            result.setdefault("rebuild ns per weight", {})[name] = rebuild_cost(ops, int(qtype), cols, ws)
         elif args.model == "llama1b":  # gemm_gguf f32 only: dequantizing a 49152 x 2048 LM head per call is 400 MB
             fns = {p: fn for p, fn in fns.items() if p in ("gemv f32", "int8 f32") or p.startswith("f32 ")}
         else:
@@ -137,7 +183,7 @@ def main() -> None:
         gigabytes = ws[0].numel() / 1e9
         unit = "GMAC/s" if args.prefill else "GB/s of weights"
         print(f"\n{name} [{rows} x {cols}] {qtype.name}, {len(ws)} copies; us per call ({unit})")
-        print("rows " + "".join(f"{p:>20}" for p in fns))
+        print("rows " + "".join(f"{p:>34}" for p in fns))
         table = result["shapes"][name] = {"rows": rows, "cols": cols, "type": qtype.name, "us": {}, "GB/s": {},
                                           "busy": {}}
         for m in (int(r) for r in args.rows.split(",")):
@@ -155,12 +201,14 @@ def main() -> None:
             table["GB/s"][m] = {p: round(gigabytes / (us * 1e-6), 2) for p, us in table["us"][m].items()}
             table["busy"][m] = {p: round(statistics.median(b), 2) for p, b in busy.items()}
             line = "".join(f"{us:>12.1f} ({table['GB/s'][m][p]:>5.1f})" for p, us in table["us"][m].items())
-            if args.prefill:  # GMAC/s instead of weight GB/s, the int8 / tiles ratio and how busy the threads were
+            if args.prefill:  # GMAC/s (wall; per CPU second) instead of weight GB/s, and how busy the threads were
                 gmac = {p: rows * cols * m / (us * 1e3) for p, us in table["us"][m].items()}
-                line = "".join(f"{us:>12.1f} ({gmac[p]:>5.0f})" for p, us in table["us"][m].items())
-                if len(gmac) == 2:
-                    line += f"   x{table['us'][m]['tiles bf16'] / table['us'][m]['int8 bf16']:.2f}"
-                    line += f"  busy {table['busy'][m]['int8 bf16']:.2f}"
+                table.setdefault("GMAC/s", {})[m] = {p: round(g, 1) for p, g in gmac.items()}
+                table.setdefault("GMAC per CPU s", {})[m] = {p: round(g / max(table["busy"][m][p], 1e-3), 1)
+                                                             for p, g in gmac.items()}
+                per_cpu, busy_m = table["GMAC per CPU s"][m], table["busy"][m]
+                line = "".join(f"{us:>9.0f} ({gmac[p]:>4.0f} {per_cpu[p]:>4.0f}/cpu b{busy_m[p]:.1f})"
+                               for p, us in table["us"][m].items())
             print(f"{m:>4} " + line, flush=True)
     result["load_avg_after"] = os.getloadavg()
     if args.out:

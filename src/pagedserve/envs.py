@@ -12,6 +12,9 @@ test or a launcher that sets one before the first use is obeyed.
     PAGEDSERVE_GGUF_INT8  "0": GGUF block weights never multiply int8-quantized activations (csrc/gguf_int8.h),
                           only float32 ones (default on where the kernel variant has the int8 kernel; the
                           test suite pins "0" so its exact-equality tests hold)
+    PAGEDSERVE_GGUF_BF16  "0": prompt-sized GEMMs over GGUF k-quants keep the int8 kernels instead of bf16 panels
+                          and oneDNN's brgemm (csrc/gguf_bf16.cpp; default on where the CPU has AVX512-BF16
+                          or AMX; off with PAGEDSERVE_GGUF_INT8=0, which keeps float32 activations)
     PAGEDSERVE_TEST_ALL_ISAS "1": the kernel parity tests run every variant this CPU runs, not only its own
                           and baseline (each costs a build of minutes)
     PAGEDSERVE_AUTO_DTYPE what `--dtype auto` means, when set: "float32", "bfloat16" or "float16" (the test
@@ -36,6 +39,10 @@ def kernels_required() -> bool:
 
 def gguf_int8() -> bool:
     return os.environ.get("PAGEDSERVE_GGUF_INT8", "1") != "0"
+
+
+def gguf_bf16() -> bool:
+    return os.environ.get("PAGEDSERVE_GGUF_BF16", "1") != "0"
 
 
 def api_key() -> str | None:

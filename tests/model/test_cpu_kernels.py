@@ -179,12 +179,14 @@ def test_choose_variant() -> None:
 
 @pytest.mark.parametrize("name", ["avx512", "amx"])
 def test_variant_compiles_without_the_cpu(tmp_path, name: str) -> None:
-    # The AVX-512 paths (attention tile, block GEMMs, int8 GEMM) and the AMX kernel must compile on a build machine that
-    # cannot run them; only the files with such paths, without code generation, to keep it to seconds.
+    # The AVX-512 paths (attention tile, block GEMMs, int8 and bf16 GEMMs) and the AMX kernel must compile on a
+    # build machine that cannot run them; only the files with such paths, without code generation, to keep it to
+    # seconds.
     if ops is None or name in kernels.runnable_isas():
         pytest.skip(f"no compiler, or the {name} variant is built and tested on this CPU")
     csrc = [s for s in kernels._SOURCES
-            if s.endswith(("paged_attention.cpp", "gguf_gemm.cpp", "gguf_amx.cpp", "gguf_int8.cpp"))]
+            if s.endswith(("paged_attention.cpp", "gguf_gemm.cpp", "gguf_amx.cpp", "gguf_int8.cpp",
+                           "gguf_bf16.cpp"))]
     kernels.syntax_check(name, csrc)
     broken = tmp_path / "broken.cpp"  # and the check can fail
     broken.write_text("#include <immintrin.h>\nvoid f() { _tile_no_such_intrinsic(0); }\n")

@@ -17,6 +17,7 @@ from pagedserve.attention.backend import get_attention_backend
 from pagedserve.model.gguf_file import open_gguf_file
 from pagedserve.model.gguf_weights import load_gguf_blocks
 from pagedserve.model.layers.decoder_stack import DecoderStack
+from pagedserve.model.layers import gguf_quant
 from pagedserve.model.layers.gguf_quant import kernel_choice
 from pagedserve.model.llama import LlamaForCausalLM
 from pagedserve.worker.kv_cache import allocate_kv_caches
@@ -81,6 +82,21 @@ def test_invariant_stack_runs_every_step(tmp_path, dtype, monkeypatch) -> None:
     model = _model(tmp_path, Q4_K_M, dtype)
     model.set_batch_invariant(True)
     assert _stack_vs_modules(model, dtype) == [True] * len(BATCHES)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_stack_runs_bf16_gemm(tmp_path, dtype, monkeypatch) -> None:
+    # gemm_gguf_bf16 (gemm id 3) from BF16_MIN_ROWS rows, here lowered to 8, where the CPU has it: the 8- and
+    # 44-row batches of a Q4_K_M model take it in the stack and in the modules alike, bit for bit the same
+    monkeypatch.setenv("PAGEDSERVE_GGUF_INT8", "1")
+    monkeypatch.setattr(gguf_quant, "BF16_MIN_ROWS", 8)
+    if not kernels.load().gguf_bf16_types():
+        pytest.skip("no bf16 brgemm on this CPU (it needs AVX512-BF16 or AMX)")
+    model = _model(tmp_path, Q4_K_M, dtype)
+    assert _stack_vs_modules(model, dtype) == [True] * len(BATCHES)
+    ops = kernels.load()
+    assert [kernel_choice(ops, dtype, (int(T.Q4_K), int(T.Q6_K))).path(sum(q for _, q in seqs)) for seqs in BATCHES] \
+        == ["int8", "int8", "bf16", "bf16"]
 
 
 def _stack_vs_modules(model, dtype: torch.dtype) -> list[bool]:

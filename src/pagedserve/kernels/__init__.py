@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 
 _SOURCES = [os.path.join(os.path.dirname(__file__), "csrc", name)
             for name in ("paged_attention.cpp", "layer_ops.cpp",
-                          "gguf_gemm.cpp", "gguf_amx.cpp", "gguf_int8.cpp",
+                          "gguf_gemm.cpp", "gguf_amx.cpp", "gguf_int8.cpp", "gguf_bf16.cpp",
                           "sampling_ops.cpp", "decoder_layers.cpp")]
 # Compile-only flags: -ffast-math must not reach the link step (it would link crtfastmath.o, which turns
 # on flush-to-zero for the whole process). The kernels never produce inf/nan from finite inputs.

@@ -9,7 +9,7 @@
 // Per layer i: norms[2i], norms[2i+1] (input / post-attention RMSNorm weights); linears 4i..4i+3 (qkv, o,
 // gate_up, down), linear j made of parts[j] row segments of GGUF blocks of one type each (a Q4_K_M qkv_proj:
 // Q4_K and Q6_K), listed in order in weights and their types in qtypes; biases[j] (None for none); gemm_ids[j]
-// the kernel of linear j: 0 gemm_gguf, 1 gemm_gguf_amx, 2 gemm_gguf_int8 (model/layers/gguf_quant.py's
+// the kernel of linear j: 0 gemm_gguf, 1 gemm_gguf_amx, 2 gemm_gguf_int8, 3 gemm_gguf_bf16 (model/layers/gguf_quant.py's
 // kernel_choice picks, as it does per call from Python: GEMM_IDS); heads = [num_heads, num_kv_heads,
 // head_dim]; batch_invariant: attention and gemm_gguf_int8 in their batch-invariant forms (both ops' flag; the
 // caller picks gemm_gguf or gemm_gguf_int8 in gemm_ids, both row-independent then). x: the embeddings [tokens, hidden];
@@ -61,6 +61,7 @@ struct Ops {
   Op<AttentionSig> attention = handle<AttentionSig>("paged_attention_windowed");
   Op<GemmSig> gemm = handle<GemmSig>("gemm_gguf");
   Op<Int8Sig> int8_gemm = handle<Int8Sig>("gemm_gguf_int8");
+  Op<GemmSig> bf16_gemm = handle<GemmSig>("gemm_gguf_bf16");
 };
 
 const Ops& ops() {
@@ -92,8 +93,8 @@ std::tuple<Tensor, Tensor> decoder_layers(const Tensor& embeddings, const Tensor
               ": parts, biases and gemm_ids need 4 entries per layer (", n_linears, "), got ", parts.size(), ", ",
               biases.size(), ", ", gemm_ids.size());
   for (size_t j = 0; j < n_linears; ++j)
-    TORCH_CHECK(gemm_ids[j] >= 0 && gemm_ids[j] <= 2, op, ": gemm_ids[", j, "] is ", gemm_ids[j],
-                "; 0 gemm_gguf, 1 gemm_gguf_amx, 2 gemm_gguf_int8");
+    TORCH_CHECK(gemm_ids[j] >= 0 && gemm_ids[j] <= 3, op, ": gemm_ids[", j, "] is ", gemm_ids[j],
+                "; 0 gemm_gguf, 1 gemm_gguf_amx, 2 gemm_gguf_int8, 3 gemm_gguf_bf16");
   std::vector<size_t> first(n_linears + 1, 0);  // linear j's parts: weights[first[j] .. first[j + 1] - 1]
   for (size_t j = 0; j < n_linears; ++j) {
     TORCH_CHECK(parts[j] > 0, op, ": linear ", j, " has ", parts[j], " parts");
@@ -110,6 +111,7 @@ std::tuple<Tensor, Tensor> decoder_layers(const Tensor& embeddings, const Tensor
     switch (gemm_ids[j]) {
       case 1: return amx_gemm().call(x, weights[part], qtypes[part], bias, std::nullopt);
       case 2: return o.int8_gemm.call(x, weights[part], qtypes[part], bias, std::nullopt, batch_invariant);
+      case 3: return o.bf16_gemm.call(x, weights[part], qtypes[part], bias);
       default: return o.gemm.call(x, weights[part], qtypes[part], bias);
     }
   };

@@ -20,7 +20,7 @@
 // threads, weights cold: 0.7-0.9x the time of whole-row rebuilds (benchmarks/README.md, "The decode step at
 // 16 sequences").
 // From kDenseRows rows of x on (prefill), with a bf16 result, the weight is rebuilt as bf16 instead
-// (dequant_gguf_bf16: the same values, kDenseChunk weights at a time) and multiplied by torch's bf16 GEMM
+// (dequant_rows_bf16: the same values, kDenseChunk weights at a time) and multiplied by torch's bf16 GEMM
 // (oneDNN, on AMX): 1.5-1.9x faster at 512 rows on the embedded model's shapes with the weights in cache,
 // rebuild included (benchmarks/README.md, "Shared prefixes read once, ..., prefill GEMM through oneDNN"); the
 // offline LLM (2,048-token budget, steps of 512-1,023 rows) 1.12-1.19x faster. At 256-511 rows (the server's
@@ -339,13 +339,6 @@ at::Tensor dense_gemm(const at::Tensor& x, const at::Tensor& w, int64_t type, co
   return y;
 }
 
-// w's rows as bf16 [n, k]: the very values gemm_gguf_amx multiplies.
-at::Tensor dequant_gguf_bf16(const at::Tensor& w, int64_t type) {
-  constexpr const char* op = "dequant_gguf_bf16";
-  TORCH_CHECK(type == kQ4_1 || type == kQ8_0, op, ": GGML type ", type, " not supported; Q4_1 (3), Q8_0 (8)");
-  return dequant_rows_bf16(w, type, 0, w.size(0), features(w, type, op));
-}
-
 at::Tensor gemm_gguf_amx(const at::Tensor& x, const at::Tensor& w, int64_t type, const c10::optional<at::Tensor>& bias,
                          c10::optional<at::ScalarType> dtype) {
   constexpr const char* op = "gemm_gguf_amx";
@@ -384,8 +377,6 @@ at::Tensor gemm_gguf_amx(const at::Tensor& x, const at::Tensor& w, int64_t type,
 PAGEDSERVE_LIBRARY_FRAGMENT(m) {
   m.def("gemm_gguf_amx(Tensor x, Tensor w, int type, Tensor? bias, ScalarType? dtype=None) -> Tensor");
   m.impl("gemm_gguf_amx", c10::DispatchKey::CPU, gemm_gguf_amx);
-  m.def("dequant_gguf_bf16(Tensor w, int type) -> Tensor");
-  m.impl("dequant_gguf_bf16", c10::DispatchKey::CPU, dequant_gguf_bf16);
 }
 
 #endif  // PAGEDSERVE_AMX

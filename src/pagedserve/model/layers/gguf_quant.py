@@ -32,10 +32,17 @@ Q5_0 / Q5_1 weights take it for INT8_Q5_ROWS rows on avx512 / amx, IQ4_XS for IN
 CPUs with VNNI); a weight of several types takes it for the rows where all of them do. PAGEDSERVE_GGUF_INT8=0
 keeps the float kernels.
 
+From BF16_MIN_ROWS rows of x (prefill), weights whose every type is in BF16_TYPES take gemm_gguf_bf16 instead
+where the CPU has bf16 dot products (AVX512-BF16 or AMX: gguf_bf16_types() is empty elsewhere, and AVX2-only
+CPUs keep the int8 tiles): panels of weight rows rebuilt as bf16 once per call, each multiplied by all rows
+of x (rounded to bf16) with oneDNN's brgemm micro-kernel, float32 sums (csrc/gguf_bf16.cpp). It follows
+PAGEDSERVE_GGUF_INT8 (off with it: float32 activations stay exact) and PAGEDSERVE_GGUF_BF16=0 turns it off alone.
+
 Batch-invariant mode (--batch-invariant, docs/batch_invariance.md): the kernel changing with the number of rows
 is what makes a request's greedy tokens depend on the batch (each kernel rounds differently), so there one kernel
 serves every row count: gemm_gguf_int8 with batch_invariant=True (gguf_int8.h's driver at every row count) where the
-default would take int8 for some row counts, else gemm_gguf. Both give each row of x the same sums in the same order
+default would take int8 for some row counts, else gemm_gguf (never gemm_gguf_bf16). Both give each row of x the
+same sums in the same order
 whatever the rows beside it (every block's products into one accumulator per row, in block order; int8 quantizes x
 per row), which tests/model/test_batch_invariant.py checks for every type. gemm_gguf_amx and the tiles (torch's
 GEMM, whose blocking follows the shape) are not used.
@@ -98,6 +105,9 @@ INT8_Q5_ROWS = (8, 64)
 # rows, 0.96-1.3x at 256; the tiles keep larger prompts until timed on a quiet machine.
 INT8_IQ4_TYPES = (23,)
 INT8_IQ4_ROWS = (8, 256)
+# The types gemm_gguf_bf16 takes from BF16_MIN_ROWS rows of x on, where gguf_bf16_types() has them.
+BF16_TYPES = (12, 13, 14)
+BF16_MIN_ROWS = 128
 
 
 @dataclass(slots=True)
@@ -215,32 +225,44 @@ def _int8_gemv_types(ops) -> frozenset[int]:
     return frozenset(ops.gguf_int8_gemv_types())
 
 
+@functools.cache
+def _bf16_types(ops) -> frozenset[int]:
+    # BF16_TYPES gemm_gguf_bf16 multiplies in this build on this CPU (AVX512-BF16 or AMX: none elsewhere)
+    return frozenset(getattr(ops, "gguf_bf16_types", lambda: [])()) & frozenset(BF16_TYPES)
+
+
 @dataclass(frozen=True, slots=True)
 class KernelChoice:
     # How one weight's matmuls run in this process, decided once per (block types, activation dtype, kernel
-    # variant, PAGEDSERVE_GGUF_INT8): int8_min_rows to int8_max_rows rows of x through gemm_gguf_int8 (none
-    # when 0, no bound at sys.maxsize), else up to gemv_max_rows through gemm_gguf, more through gemm_gguf_amx
-    # where `amx`, else through dequantized tiles and torch's GEMM.
+    # variant, PAGEDSERVE_GGUF_INT8, PAGEDSERVE_GGUF_BF16): from bf16_min_rows rows of x (never when 0) through
+    # gemm_gguf_bf16, else int8_min_rows to int8_max_rows rows through gemm_gguf_int8 (none when 0, no bound at
+    # sys.maxsize), else up to gemv_max_rows through gemm_gguf, more through gemm_gguf_amx where `amx`, else
+    # through dequantized tiles and torch's GEMM.
     gemv_max_rows: int
     amx: bool
     int8_max_rows: int = 0
     int8_min_rows: int = INT8_MIN_ROWS
+    bf16_min_rows: int = 0
 
     def path(self, m: int, invariant: bool = False) -> str:
-        # "int8", "gemv", "amx" or "tiles" for m rows of x; batch-invariant: one row-independent kernel at every m
+        # "bf16", "int8", "gemv", "amx" or "tiles" for m rows of x; batch-invariant: one row-independent kernel
+        # at every m
         if invariant:
             return "int8" if self.int8_max_rows else "gemv"
+        if 0 < self.bf16_min_rows <= m:
+            return "bf16"
         if self.int8_min_rows <= m <= self.int8_max_rows:
             return "int8"
         return "gemv" if m <= self.gemv_max_rows else "amx" if self.amx else "tiles"
 
 
 # The decoder stack's code per path (csrc/decoder_layers.cpp's gemm_ids); "tiles" has none (the modules run).
-GEMM_IDS = {"gemv": 0, "amx": 1, "int8": 2}
+GEMM_IDS = {"gemv": 0, "amx": 1, "int8": 2, "bf16": 3}
 
 
 def kernel_choice(ops, dtype: torch.dtype, qtypes: tuple[int, ...]) -> KernelChoice:
-    return _kernel_choice(ops, dtype, qtypes, envs.gguf_int8())
+    bf16_rows = BF16_MIN_ROWS if envs.gguf_int8() and envs.gguf_bf16() else 0
+    return _kernel_choice(ops, dtype, qtypes, envs.gguf_int8(), bf16_rows)
 
 
 def _int8_rows(ops, dtype: torch.dtype, qtype: int) -> tuple[int, int] | None:
@@ -256,16 +278,19 @@ def _int8_rows(ops, dtype: torch.dtype, qtype: int) -> tuple[int, int] | None:
 
 
 @functools.cache
-def _kernel_choice(ops, dtype: torch.dtype, qtypes: tuple[int, ...], int8_allowed: bool) -> KernelChoice:
+def _kernel_choice(ops, dtype: torch.dtype, qtypes: tuple[int, ...], int8_allowed: bool,
+                   bf16_rows: int = 0) -> KernelChoice:
+    # bf16_rows: BF16_MIN_ROWS where PAGEDSERVE_GGUF_INT8 and PAGEDSERVE_GGUF_BF16 allow gemm_gguf_bf16, else 0
     amx = dtype == torch.bfloat16 and _amx_gemm(ops) is not None and all(t in AMX_TYPES for t in qtypes)
+    bf16 = bf16_rows if all(t in _bf16_types(ops) for t in qtypes) else 0
     int8, low = 0, INT8_MIN_ROWS
     spans = [_int8_rows(ops, dtype, t) for t in qtypes] if int8_allowed else [None]
     if None not in spans and max(lo for lo, _ in spans) <= min(hi for _, hi in spans):
         # every part's type takes int8 for these rows (each part runs its own call: _by_parts)
         low, int8 = max(lo for lo, _ in spans), min(hi for _, hi in spans)
     if not _has_decode_kernel(ops):
-        return KernelChoice(PORTABLE_MAX_ROWS, amx, int8, low)
-    return KernelChoice(DECODE_MAX_ROWS_AMX if amx else DECODE_MAX_ROWS, amx, int8, low)
+        return KernelChoice(PORTABLE_MAX_ROWS, amx, int8, low, bf16)
+    return KernelChoice(DECODE_MAX_ROWS_AMX if amx else DECODE_MAX_ROWS, amx, int8, low, bf16)
 
 
 def gguf_linear(x: torch.Tensor, w: GGUFWeight, bias: torch.Tensor | None,
@@ -275,6 +300,8 @@ def gguf_linear(x: torch.Tensor, w: GGUFWeight, bias: torch.Tensor | None,
     ops, m = _ops(), x.shape[0]
     x = x.contiguous() if w.in_order is None else x.index_select(1, w.in_order)
     path = kernel_choice(ops, x.dtype, w.qtypes).path(m, invariant)
+    if path == "bf16":
+        return _by_parts(w, bias, lambda p, t, b: ops.gemm_gguf_bf16(x, p, t, b))
     if path == "int8":
         return _by_parts(w, bias, lambda p, t, b: ops.gemm_gguf_int8(x, p, t, b, None, invariant))
     if path == "gemv":
