@@ -64,12 +64,13 @@ def decode_bytes(gguf_path: str, context: int, kv_bytes_per_value: int) -> dict:
                   if len(t.shape) == 2 and (t.name != "token_embd.weight" or tied))
     arch = bytes(r.fields["general.architecture"].parts[-1]).decode()
 
-    def field(key: str) -> int:
-        f = r.fields[f"{arch}.{key}"]
-        return int(f.parts[f.data[0]][0])
+    def field(key: str, default: int | None = None) -> int:
+        f = r.fields.get(f"{arch}.{key}")
+        return default if f is None else int(f.parts[f.data[0]][0])
 
     layers, heads, kv_heads = field("block_count"), field("attention.head_count"), field("attention.head_count_kv")
-    head_dim = field("embedding_length") // heads
+    # Gemma's and Qwen3's heads are not hidden / heads wide (Gemma-3-1B: 256, not 1152 / 4); the file says so.
+    head_dim = field("attention.key_length", field("embedding_length") // heads)
     kv = 2 * layers * kv_heads * head_dim * context * kv_bytes_per_value
     return {"weight_bytes": weights, "kv_bytes": kv, "tied_embeddings": tied}
 
@@ -83,7 +84,8 @@ def run_workload(name: str, urls: list[str], labels: list[str], out_dir: str, ar
     if args.warm_requests:  # the same shapes with other words (the same shared prefix), not recorded
         subprocess.run([*cmd, "--num-prompts", str(args.warm_requests), "--words-variant", "1", "--warmup", "0"],
                        check=True, stdout=subprocess.DEVNULL)
-    subprocess.run([*cmd, "--words-variant", "0", "--out", out], check=True)
+    num_prompts = ["--num-prompts", str(args.num_prompts)] if args.num_prompts else []  # a smoke run's count
+    subprocess.run([*cmd, *num_prompts, "--words-variant", "0", "--out", out], check=True)
     with open(out, encoding="utf-8") as f:
         return json.load(f)
 
@@ -103,6 +105,8 @@ def main() -> int:
                    help="latency targets for goodput, as bench serve's flag, e.g. ttft:1000 tpot:100")
     p.add_argument("--warm-requests", type=int, default=0, metavar="N",
                    help="before each workload, N untimed requests of its shape with other words (default 0)")
+    p.add_argument("--num-prompts", type=int, default=None, metavar="N",
+                   help="each workload's request count instead of its own (a smoke run: e.g. 2)")
     p.add_argument("--out", required=True)
     add_peer_args(p, "--gguf")
     args = p.parse_args()
