@@ -120,6 +120,33 @@ def test_dispatcher_picks_bf16(isa_name: str, monkeypatch) -> None:
                         assert torch.equal(gguf_linear(xm, fused, bias.to(dtype)), want)
 
 
+@pytest.mark.parametrize("isa_name", ISAS)
+@pytest.mark.parametrize("qtype", (T.Q4_1, T.Q8_0), ids=lambda t: t.name)
+def test_dispatcher_picks_bf16_for_blocks_of_32(isa_name: str, qtype, monkeypatch) -> None:
+    # Q4_1 / Q8_0 with bf16 x: gemm_gguf_bf16 from BF16_BLOCK32_MIN_ROWS rows where the CPU has it and the variant
+    # has no gemm_gguf_amx; gemm_gguf below. Float32 x, either env off, batch-invariant: never.
+    rng = np.random.default_rng(7)
+    raw = raw_blocks(qtype, 40, 512, rng)
+    w, low = as_weight(raw, qtype, 512), gguf_quant.BF16_BLOCK32_MIN_ROWS
+    x = torch.randn(low + 1, 512, generator=torch.Generator().manual_seed(0)).bfloat16()
+    with kernels.use_isa(isa_name) as ops:
+        can = bf16_ops(isa_name) is not None and getattr(ops, "gemm_gguf_amx", None) is None
+        for int8_env, bf16_env in (("1", "1"), ("1", "0"), ("0", "1")):
+            monkeypatch.setenv("PAGEDSERVE_GGUF_INT8", int8_env)
+            monkeypatch.setenv("PAGEDSERVE_GGUF_BF16", bf16_env)
+            on = can and int8_env == bf16_env == "1"
+            assert kernel_choice(ops, torch.bfloat16, w.qtypes).path(low - 1) != "bf16"
+            assert (kernel_choice(ops, torch.bfloat16, w.qtypes).path(low) == "bf16") == on
+            assert kernel_choice(ops, torch.bfloat16, w.qtypes).path(low, invariant=True) != "bf16"
+            assert kernel_choice(ops, torch.float32, w.qtypes).path(4 * low) != "bf16"
+        if can:
+            monkeypatch.setenv("PAGEDSERVE_GGUF_INT8", "1")
+            monkeypatch.setenv("PAGEDSERVE_GGUF_BF16", "1")
+            y = gguf_linear(x, w, None)
+            assert torch.equal(y, ops.gemm_gguf_bf16(x, w.parts[0], w.qtypes[0], None))
+            check(y, x.float(), reference(raw, qtype), None, f"{qtype.name} through the dispatcher")
+
+
 def test_bf16_bad_input() -> None:
     ops = next((o for o in map(bf16_ops, ISAS) if o is not None), None)
     if ops is None:

@@ -108,6 +108,14 @@ INT8_IQ4_ROWS = (8, 256)
 # The types gemm_gguf_bf16 takes from BF16_MIN_ROWS rows of x on, where gguf_bf16_types() has them.
 BF16_TYPES = (12, 13, 14)
 BF16_MIN_ROWS = 128
+# Blocks of 32 (Q4_1, Q8_0: the embedded SmolLM2's weights and its tied LM head) take gemm_gguf_bf16 for bf16 x
+# from BF16_BLOCK32_MIN_ROWS rows, off the amx variant (gemm_gguf_amx has them there). Float32 x keeps the exact
+# float kernels. Embedded model, bf16, 1 thread, CPU ms per engine step, in turns with gemm_gguf / the tiles,
+# 2-core EPYC Zen 4 at load 14-18 (benchmarks/README.md, issue 28): 5 rows 21-28 vs 34-39 (gemm_gguf wins),
+# 9 rows 35-39 vs 41-46, 17 rows 53-88 vs 45-48, 64 rows 158-168 vs 78-85, 112 rows 197-245 vs 103-124, 528
+# rows 606-768 vs 434-493, 2,048 rows 1,928-2,304 vs 1,842-1,891.
+BF16_BLOCK32_TYPES = (3, 8)
+BF16_BLOCK32_MIN_ROWS = 16
 
 
 @dataclass(slots=True)
@@ -231,6 +239,12 @@ def _bf16_types(ops) -> frozenset[int]:
     return frozenset(getattr(ops, "gguf_bf16_types", lambda: [])()) & frozenset(BF16_TYPES)
 
 
+@functools.cache
+def _bf16_block32_types(ops) -> frozenset[int]:
+    # BF16_BLOCK32_TYPES gemm_gguf_bf16 multiplies in this build on this CPU
+    return frozenset(getattr(ops, "gguf_bf16_types", lambda: [])()) & frozenset(BF16_BLOCK32_TYPES)
+
+
 @dataclass(frozen=True, slots=True)
 class KernelChoice:
     # How one weight's matmuls run in this process, decided once per (block types, activation dtype, kernel
@@ -283,6 +297,9 @@ def _kernel_choice(ops, dtype: torch.dtype, qtypes: tuple[int, ...], int8_allowe
     # bf16_rows: BF16_MIN_ROWS where PAGEDSERVE_GGUF_INT8 and PAGEDSERVE_GGUF_BF16 allow gemm_gguf_bf16, else 0
     amx = dtype == torch.bfloat16 and _amx_gemm(ops) is not None and all(t in AMX_TYPES for t in qtypes)
     bf16 = bf16_rows if all(t in _bf16_types(ops) for t in qtypes) else 0
+    if bf16_rows and dtype == torch.bfloat16 and _amx_gemm(ops) is None and all(t in _bf16_block32_types(ops)
+                                                                                  for t in qtypes):
+        bf16 = BF16_BLOCK32_MIN_ROWS
     int8, low = 0, INT8_MIN_ROWS
     spans = [_int8_rows(ops, dtype, t) for t in qtypes] if int8_allowed else [None]
     if None not in spans and max(lo for lo, _ in spans) <= min(hi for _, hi in spans):
