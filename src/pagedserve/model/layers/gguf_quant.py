@@ -37,6 +37,8 @@ where the CPU has bf16 dot products (AVX512-BF16 or AMX: gguf_bf16_types() is em
 CPUs keep the int8 tiles): panels of weight rows rebuilt as bf16 once per call, each multiplied by all rows
 of x (rounded to bf16) with oneDNN's brgemm micro-kernel, float32 sums (csrc/gguf_bf16.cpp). It follows
 PAGEDSERVE_GGUF_INT8 (off with it: float32 activations stay exact) and PAGEDSERVE_GGUF_BF16=0 turns it off alone.
+Q4_1 and Q8_0 weights (BF16_BLOCK32_TYPES) take it too for bf16 x from BF16_BLOCK32_MIN_ROWS rows, where the
+variant has no gemm_gguf_amx.
 
 Batch-invariant mode (--batch-invariant, docs/batch_invariance.md): the kernel changing with the number of rows
 is what makes a request's greedy tokens depend on the batch (each kernel rounds differently), so there one kernel
