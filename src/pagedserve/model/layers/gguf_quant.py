@@ -107,9 +107,12 @@ INT8_Q5_ROWS = (8, 64)
 # rows, 0.96-1.3x at 256; the tiles keep larger prompts until timed on a quiet machine.
 INT8_IQ4_TYPES = (23,)
 INT8_IQ4_ROWS = (8, 256)
-# The types gemm_gguf_bf16 takes from BF16_MIN_ROWS rows of x on, where gguf_bf16_types() has them.
+# The types gemm_gguf_bf16 takes from BF16_MIN_ROWS rows of x on, where gguf_bf16_types() has them. Llama-1B
+# shapes, Q4_K and Q6_K, 1 thread, CPU time per call, 2-core EPYC Zen 4 at load 11-17 (benchmarks/README.md,
+# results/gguf_gemv_prefill_bf16_t1.json): over the int8 tiles 0.7-1.1x at 128 rows, 0.99-1.35x at 512 (down_proj
+# Q6_K 0.99x), 0.96-1.2x at 1024; so from 256 until a quiet re-time places the crossover.
 BF16_TYPES = (12, 13, 14)
-BF16_MIN_ROWS = 128
+BF16_MIN_ROWS = 256
 # Blocks of 32 (Q4_1, Q8_0: the embedded SmolLM2's weights and its tied LM head) take gemm_gguf_bf16 for bf16 x
 # from BF16_BLOCK32_MIN_ROWS rows, off the amx variant (gemm_gguf_amx has them there). Float32 x keeps the exact
 # float kernels. Embedded model, bf16, 1 thread, CPU ms per engine step, in turns with gemm_gguf / the tiles,
