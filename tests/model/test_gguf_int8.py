@@ -129,14 +129,14 @@ def test_int8_kernel_matches_quantized_x(isa_name: str, qtype, numerics) -> None
 
 
 @pytest.mark.parametrize("isa_name", ISAS)
-@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q5_K, T.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS], ids=lambda t: t.name)
 def test_int8_tiles_long_rows(isa_name: str, qtype, numerics) -> None:
     # The register tiles (csrc/gguf_int8_tiles.h) where the other test's shapes do not reach: 2,560 inputs (K in
     # two slices of 5 groups), 210 rows of x (two chunks of 105 rows: 512 KB of x at most), 9 weight rows
-    # (panels of 4 rows, the last one partial).
+    # (panels of 4 rows, the last one partial). IQ4_XS where the CPU has VNNI.
     ops = int8_ops(isa_name)
-    if ops is None:
-        pytest.skip(f"no int8 kernel in the {isa_name} build")
+    if ops is None or int(qtype) not in ops.gguf_int8_types():
+        pytest.skip(f"no int8 kernel for {qtype.name} in the {isa_name} build")
     rng = np.random.default_rng(100 + int(qtype))
     raw = raw_blocks(qtype, 9, 2560, rng)
     ref, w = reference(raw, qtype).double(), torch.from_numpy(raw.copy())
@@ -145,7 +145,7 @@ def test_int8_tiles_long_rows(isa_name: str, qtype, numerics) -> None:
     bias = torch.randn(9, generator=torch.Generator().manual_seed(2))
     for m in (40, 210):
         results = []
-        for dot in dots(ops)[1:]:
+        for dot in [d for d in dots(ops)[1:] if d or qtype not in VNNI_ONLY]:
             y = ops.gemm_gguf_int8(x[:m], w, int(qtype), bias, dot)
             check(y, x[:m], ref, bias, numerics, f"{m} rows, vnni={dot}")
             yb = ops.gemm_gguf_int8(x[:m].bfloat16(), w, int(qtype), None, dot)
@@ -178,7 +178,9 @@ def test_dispatcher_picks_int8(isa_name: str, monkeypatch) -> None:
             assert choice.int8_max_rows == (sys.maxsize if int8 else 0)
             # from 1 row where the variant has the few-row kernel (avx512, amx), else from INT8_MIN_ROWS
             few_rows = has_int8 and isa_name in ("avx512", "amx")
-            assert set(ops.gguf_int8_gemv_types()) == ({12, 13, 14} if few_rows else set())
+            # Q8_0 and IQ4_XS (gguf_int8_gemv32.h) where the CPU has VNNI
+            vnni = {8, 23} if ops.gguf_int8_types(True) else set()
+            assert set(ops.gguf_int8_gemv_types()) == ({12, 13, 14} | vnni if few_rows else set())
             low = gguf_quant.INT8_GEMV_MIN_ROWS if few_rows else gguf_quant.INT8_MIN_ROWS
             assert not int8 or choice.int8_min_rows == low
             assert kernel_choice(ops, torch.float32, q41.qtypes).path(1) != "int8"
@@ -215,22 +217,24 @@ def test_int8_bad_input() -> None:
     assert ops.gemm_gguf_int8(torch.randn(0, 256), w, int(T.Q4_K), None).shape == (0, 4)
 
 
-@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q5_K, T.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0, T.IQ4_XS], ids=lambda t: t.name)
 def test_int8_few_rows_long_weight_rows(qtype, numerics) -> None:
-    # 1-4 rows of x take the few-row kernel (csrc/gguf_int8_gemv.h) where the variant has it; rows of more than
-    # 4,096 inputs (here 4,352) take 3-4 rows of x in passes of 2; 37 weight rows (split between threads)
+    # 1-4 rows of x take the few-row kernels (csrc/gguf_int8_gemv.h; Q8_0, IQ4_XS: gguf_int8_gemv32.h) where the
+    # variant has them; rows of more than 4,096 inputs (here 4,352; Q8_0 4,384: a last group of one block) take
+    # 3-4 rows of x in passes of 2; 37 weight rows (split between threads)
     ops = next((o for o in map(int8_ops, ISAS) if o is not None and int(qtype) in o.gguf_int8_gemv_types()), None)
     if ops is None:
         pytest.skip("no kernel variant here has the few-row int8 kernel")
     rng = np.random.default_rng(int(qtype) + 100)
-    raw = raw_blocks(qtype, 37, 4352, rng)
+    cols = 4384 if qtype == T.Q8_0 else 4352
+    raw = raw_blocks(qtype, 37, cols, rng)
     ref, w = reference(raw, qtype).double(), torch.from_numpy(raw.copy())
     gen = torch.Generator().manual_seed(1)
-    x = torch.randn(4, 4352, generator=gen)
+    x = torch.randn(4, cols, generator=gen)
     x[2, 512:768] *= 30
     bias = torch.randn(37, generator=gen)
     for m in (1, 2, 3, 4):
-        for dot in dots(ops)[1:]:
+        for dot in [d for d in dots(ops)[1:] if d or qtype not in VNNI_ONLY]:
             check(ops.gemm_gguf_int8(x[:m], w, int(qtype), bias, dot), x[:m], ref, bias, numerics, f"{m} rows")
         yb = ops.gemm_gguf_int8(x[:m].bfloat16(), w, int(qtype), None)
         check(yb, x[:m].bfloat16().float(), ref, None, numerics, f"bf16, {m} rows")
@@ -259,22 +263,25 @@ def test_dispatcher_picks_int8_for_q5(isa_name: str, qtype, monkeypatch) -> None
 
 
 @pytest.mark.parametrize("isa_name", ISAS)
-def test_dispatcher_picks_int8_for_iq4_xs(isa_name: str, monkeypatch) -> None:
-    # IQ4_XS alone and fused with a Q6_K part (a k-quant part starts lower: the weight takes int8 where both do):
-    # gemm_gguf_int8 for INT8_IQ4_ROWS rows on avx512 / amx where the CPU has VNNI, else the float kernels
+def test_dispatcher_picks_int8_for_iq4_xs_and_q8_0(isa_name: str, monkeypatch) -> None:
+    # On avx512 / amx where the CPU has VNNI: IQ4_XS alone and fused with a Q6_K part take gemm_gguf_int8 from 1
+    # row on (no upper bound: 300 rows run the tiles); Q8_0 for INT8_Q8_ROWS; else the float kernels
     rng = np.random.default_rng(23)
-    raws = [(T.IQ4_XS, raw_blocks(T.IQ4_XS, 8, 512, rng)), (T.Q6_K, raw_blocks(T.Q6_K, 8, 512, rng))]
-    iq4 = as_weight(raws[0][1], T.IQ4_XS, 512)
-    fused = concat_rows([as_weight(r, t, 512) for t, r in raws])
-    refs = [reference(raws[0][1], T.IQ4_XS).double(), torch.cat([reference(r, t) for t, r in raws]).double()]
-    low, high = gguf_quant.INT8_IQ4_ROWS
-    x = torch.randn(high + 1, 512, generator=torch.Generator().manual_seed(0))
+    raws = [(T.IQ4_XS, raw_blocks(T.IQ4_XS, 8, 512, rng)), (T.Q6_K, raw_blocks(T.Q6_K, 8, 512, rng)),
+            (T.Q8_0, raw_blocks(T.Q8_0, 8, 512, rng))]
+    weights = [as_weight(raws[0][1], T.IQ4_XS, 512), concat_rows([as_weight(r, t, 512) for t, r in raws[:2]]),
+               as_weight(raws[2][1], T.Q8_0, 512)]
+    refs = [reference(raws[0][1], T.IQ4_XS).double(), torch.cat([reference(r, t) for t, r in raws[:2]]).double(),
+            reference(raws[2][1], T.Q8_0).double()]
+    spans = [(1, sys.maxsize), (1, sys.maxsize), gguf_quant.INT8_Q8_ROWS]
+    x = torch.randn(300, 512, generator=torch.Generator().manual_seed(0))
     monkeypatch.setenv("PAGEDSERVE_GGUF_INT8", "1")
     with kernels.use_isa(isa_name) as ops:
         on = isa_name in ("avx512", "amx") and int(T.IQ4_XS) in ops.gguf_int8_types()
-        for w, ref in zip((iq4, fused), refs):
+        assert on == (int(T.Q8_0) in ops.gguf_int8_gemv_types())
+        for w, ref, (low, high) in zip(weights, refs, spans):
             choice = kernel_choice(ops, torch.float32, w.qtypes)
-            for m in (1, low - 1, low, high, high + 1):
+            for m in (1, 2, 3, 4, 5, 8, 256, 300):
                 int8 = on and low <= m <= high
                 assert (choice.path(m) == "int8") == int8, (m, choice)
                 y = gguf_linear(x[:m], w, None)

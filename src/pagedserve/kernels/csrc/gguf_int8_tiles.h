@@ -1,4 +1,5 @@
-// gguf_int8.h's block GEMM for many rows of x (prefill), for the k-quants (Q4_K, Q5_K, Q6_K) from kMinRows rows.
+// gguf_int8.h's block GEMM for many rows of x (prefill), for the k-quants (Q4_K, Q5_K, Q6_K) and IQ4_XS (kTiles)
+// from kMinRows rows.
 // gguf_int8.h's driver spends two multiplies per 64 weights (vpmaddubsw, then vpdpwssd by each byte pair's
 // scale) and streams all of x past every pair of weight rows. Here:
 //   - Each 256-value group of x and of a weight row is reordered so that int32 lane L of all its vectors holds
@@ -52,6 +53,10 @@ constexpr int64_t kSliceGroups = 8;
 // At least this many rows per chunk of x where K is long (down_proj: 8,192 inputs, 64 rows in kChunkBytes): each
 // chunk rebuilds every weight panel again (Llama-1B down_proj at 512 rows: 62 -> 54 CPU ms with 128)
 constexpr int64_t kMinChunkRows = 128;
+// The types it multiplies: the k-quants, and IQ4_XS (a float scale per 32 under one group: its values + 128 in
+// unsigned bytes need VNNI's vpdpbusd, so avx512 / amx builds on CPUs with avx512_vnni)
+template <int64_t T>
+constexpr bool kTiles = kIntScales<T> || T == kIQ4_XS;
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 inline IVec iadd(IVec a, IVec b) { return _mm512_add_epi32(a, b); }
@@ -141,10 +146,14 @@ struct Packed {
 template <int64_t T>
 inline void pack(const uint8_t* b, Packed& p) {
   Block u;
-  rebuild<T>(b, u);
+  if constexpr (T == kIQ4_XS) rebuild_small<T>(b, 0, 1, u);  // values + 128, offsets -128 d (scale - 32)
+  else rebuild<T>(b, u);
   reorder(u.q, p.q);
   alignas(64) float scale[16];
-  if constexpr (T == kQ6_K) {
+  if constexpr (T == kIQ4_XS) {
+    const float d = f16(b);
+    for (int j = 0; j < 16; ++j) scale[j] = d * static_cast<float>(iq4xs_scale(j / 2, b));
+  } else if constexpr (T == kQ6_K) {
     const float d = f16(b + 208);
     for (int j = 0; j < 16; ++j) scale[j] = d * static_cast<float>(static_cast<int8_t>(b[192 + j]));
   } else {
@@ -294,8 +303,8 @@ template <int64_t T, typename Out>
 // y = x^ W^T (+ bias) for the k-quants (see the top of this file).
 template <int64_t T, typename Out>
 void gemm(const Args& a, bool vnni) {
-  static_assert(kIntScales<T>);
-  (void)vnni;
+  static_assert(kTiles<T>);
+  TORCH_CHECK(vnni || !kNeedsVnni<T>, "gemm_gguf_int8: GGML type ", T, " needs AVX512-VNNI");
   const Quantized& x = a.x;
   std::vector<int8_t> xbuf(a.m * x.kpad + 64);
   int8_t* xq = reinterpret_cast<int8_t*>((reinterpret_cast<uintptr_t>(xbuf.data()) + 63) & ~uintptr_t{63});
@@ -322,7 +331,7 @@ void gemm(const Args& a, bool vnni) {
 #if defined(PAGEDSERVE_GGUF_INT8_VNNI)
     if (vnni) return run_vnni<T, Out>(a, w, buf.get(), s);
 #endif
-    run_plain<T, Out>(a, w, buf.get(), s);
+    if constexpr (!kNeedsVnni<T>) run_plain<T, Out>(a, w, buf.get(), s);
   });
 }
 

@@ -28,9 +28,9 @@ and integer dot products (csrc/gguf_int8.h; from 32 rows register-tiled with eac
 csrc/gguf_int8_tiles.h), as llama.cpp does; results differ from the float kernels by x's rounding (at most
 sum |w| * dx / 2 per output). Where the variant also has the few-row int8 kernel for every type of the weight
 (avx512, amx: csrc/gguf_int8_gemv.h, gguf_int8_gemv_types()), int8 starts at 1 row (single-stream decode).
-Q5_0 / Q5_1 weights take it for INT8_Q5_ROWS rows on avx512 / amx, IQ4_XS for INT8_IQ4_ROWS (avx512 / amx on
-CPUs with VNNI); a weight of several types takes it for the rows where all of them do. PAGEDSERVE_GGUF_INT8=0
-keeps the float kernels.
+Q5_0 / Q5_1 weights take it for INT8_Q5_ROWS rows on avx512 / amx, IQ4_XS from 1 row and Q8_0 for INT8_Q8_ROWS
+(avx512 / amx on CPUs with VNNI: csrc/gguf_int8_gemv32.h at 1-4 rows); a weight of several types takes it for
+the rows where all of them do. PAGEDSERVE_GGUF_INT8=0 keeps the float kernels.
 
 From BF16_MIN_ROWS rows of x (prefill), weights whose every type is in BF16_TYPES take gemm_gguf_bf16 instead
 where the CPU has bf16 dot products (AVX512-BF16 or AMX: gguf_bf16_types() is empty elsewhere, and AVX2-only
@@ -100,13 +100,20 @@ INT8_GEMV_MIN_ROWS = 1
 INT8_Q5_TYPES = (6, 7)
 INT8_Q5_ROWS = (8, 64)
 # IQ4_XS (kIq4Values looked up by vpshufb, offset by 128: VNNI only, so avx512 / amx on CPUs with avx512_vnni)
-# takes gemm_gguf_int8 (gguf_int8.h's driver at every row count) for INT8_IQ4_ROWS rows of x. Llama-1B shapes, weights cold, 1 thread, 2-core EPYC at load ~15 (benchmarks/gguf_gemv.py --model
-# llama1b --types IQ4_XS; wall times 10-40x a quiet run's, so only the ratios mean anything): int8 over gemm_gguf
-# 1.1-1.5x faster at 8 rows, 1.6-2.2x at 16, 2.1-3.0x at 32; 0.3-0.9x at 1-4 rows (no few-row kernel for it).
-# Against dequantized bf16 tiles (--prefill, q/o_proj, load ~20, the process at 4% of a core): 6.9-8.8x at 64
-# rows, 0.96-1.3x at 256; the tiles keep larger prompts until timed on a quiet machine.
+# takes gemm_gguf_int8 from 1 row on (from INT8_IQ4_MIN_ROWS without the few-row kernel): 1-4 rows through
+# csrc/gguf_int8_gemv32.h, 5-31 gguf_int8.h's driver, 32+ the register tiles (csrc/gguf_int8_tiles.h), no upper
+# bound (as the k-quants). Llama-1B shapes, weights cold, 1 thread, CPU time per call, 2-core EPYC at load 12-13
+# (the process got a quarter of a core: ratios only; benchmarks/gguf_gemv.py --model llama1b --types IQ4_XS):
+# int8 over gemm_gguf 1.2-2.4x at 1-4 rows, 0.8-1.4x at 5-7, 1.2-1.4x at 8; over dequantized bf16 tiles
+# (--prefill) 1.5-4.3x at 256 rows, 1.1-2.3x at 512, 0.87x (q/o_proj) to 2.1x at 1024.
 INT8_IQ4_TYPES = (23,)
-INT8_IQ4_ROWS = (8, 256)
+INT8_IQ4_MIN_ROWS = 8
+# Q8_0 at 1-2 rows through the same few-row kernel (gguf_int8_gemv32.h: llama.cpp's q8_0 x q8_0 dot; avx512 /
+# amx on CPUs with VNNI): same measurements, int8 over gemm_gguf at 1 row 0.8-1.5x (median 1.15, 5 shapes x
+# 2 runs), 2 rows median 1.06, 4 rows median 0.98 (down_proj 0.5: its 8,192 inputs take 2 rows per pass); more
+# rows keep the float kernels (gguf_int8.h's driver mixed there).
+INT8_Q8_TYPES = (8,)
+INT8_Q8_ROWS = (1, 2)
 # The types gemm_gguf_bf16 takes from BF16_MIN_ROWS rows of x on, where gguf_bf16_types() has them. Llama-1B
 # shapes, Q4_K and Q6_K, 1 thread, CPU time per call, 2-core EPYC Zen 4 at load 11-17 (benchmarks/README.md,
 # results/gguf_gemv_prefill_bf16_t1.json): over the int8 tiles 0.7-1.1x at 128 rows, 0.99-1.35x at 512 (down_proj
@@ -292,7 +299,9 @@ def _int8_rows(ops, dtype: torch.dtype, qtype: int) -> tuple[int, int] | None:
     if qtype in _int8_q5_types(ops):
         return INT8_Q5_ROWS
     if qtype in _int8_iq4_types(ops):
-        return INT8_IQ4_ROWS[0], min(INT8_IQ4_ROWS[1], high)
+        return INT8_GEMV_MIN_ROWS if qtype in _int8_gemv_types(ops) else INT8_IQ4_MIN_ROWS, high
+    if qtype in INT8_Q8_TYPES and qtype in _int8_gemv_types(ops):
+        return INT8_Q8_ROWS
     return None
 
 
