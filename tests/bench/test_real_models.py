@@ -17,7 +17,7 @@ def test_shared_workload_warmed_then_measured(tmp_path, monkeypatch):
         "--num-prompts", "3", "--input-len", "4-8", "--output-len", "5", "--shared-prefix-len", "20",
         "--concurrency", "2"])
     a, b = FakeServer(ttft_s=0.01, itl_s=0.002), FakeServer(ttft_s=0.05, itl_s=0.002)
-    args = real_models.argparse.Namespace(goodput=["ttft:30", "tpot:100"], warm_requests=2)
+    args = real_models.argparse.Namespace(goodput=["ttft:30", "tpot:100"], warm_requests=2, num_prompts=None)
     try:
         report = real_models.run_workload("tiny_shared", [a.url, b.url], ["pagedserve", "vllm"], str(tmp_path),
                                           args)
