@@ -52,10 +52,39 @@ def steps_until_all_started(sched, num_prompts, prompt_len):
 
 
 def test_a_burst_of_prompts_starts_in_fewer_steps_and_then_decodes_in_small_ones():
-    # 16 prompts of 300 tokens: a fixed 512 needs 10 steps before the last one has its first token; the
-    # adaptive budget takes 2048 while nothing decodes and shrinks as the first ones start decoding.
-    assert steps_until_all_started(make_scheduler(), 16, 300) == [2048, 825, 639, 557, 525, 260, 16]
+    # 16 prompts of 300 tokens: a fixed 512 needs 10 steps before the last one has its first token. The
+    # adaptive budget takes 2048 while nothing decodes; then it counts decoding requests per prompt still
+    # waiting for its first token: step 2 has 6 decoding and 10 prompts (9 waiting, 1 half done), so
+    # 2048 * 40 / 46 + 6; step 3 has 12 decoding and 4 prompts: 2048 * 16 / 28 + 12, more than the 972 left.
+    # Counting the decoding requests alone gave [2048, 825, 639, 557, 525, 260, 16]: 6 steps.
+    assert steps_until_all_started(make_scheduler(), 16, 300) == [2048, 1786, 984, 16]
     assert steps_until_all_started(make_scheduler(512, 512), 16, 300) == [512] * 9 + [264, 16]
+
+
+@pytest.mark.parametrize("max_num_seqs, plan", [
+    # Room for all 4: 4 prompts against 12 decoding, 2048 * 16 / 28 = 1170 prefill tokens; the last gets 270.
+    (16, {"p0": 300, "p1": 300, "p2": 300, "p3": 270}),
+    # Room for 1: the waiting ones the batch cannot take do not count, one prompt gets the floor (512).
+    (13, {"p0": 300}),
+])
+def test_prompts_the_batch_can_take_keep_the_budget_up(max_num_seqs, plan):
+    sched = make_scheduler(max_num_seqs=max_num_seqs)
+    for i in range(12):
+        sched.add_request(make_request(f"d{i}", 20, max_tokens=50, first_token=100 * i))
+    worker = WorkerMirror(sched)
+    worker.step()  # the 12 prefill together, then all decode
+    for i in range(4):
+        sched.add_request(make_request(f"p{i}", 300, max_tokens=50, first_token=5000 + 1000 * i))
+    _, scheduled = worker.step()
+    assert {s.req_id: len(s.token_ids) for s in scheduled} == {**{f"d{i}": 1 for i in range(12)}, **plan}
+
+
+def test_admissible_prompts_count_like_running_prefills():
+    config = SchedulerConfig(64, 2048, min_num_batched_tokens=512)
+    # 8 decoding, 8 prompts: 2048 * 32 / 40 = 1638 prefill tokens, plus the 8 decode tokens.
+    assert step_budget(config, decoding(8), num_admissible=8) == 1646
+    assert step_budget(config, decoding(8) + [make_request(f"p{i}", 100) for i in range(8)]) == 1646
+    assert step_budget(config, decoding(8), num_admissible=1) == 690
 
 
 @pytest.mark.parametrize("threshold, steps", [(512, 1), (0, 9)])

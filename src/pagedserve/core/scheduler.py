@@ -92,7 +92,8 @@ class Scheduler:
         preempted: list[str] = []
         self.waiting.now += 1
         self.policy.order_running(self.running)
-        budget = step_budget = token_budget.step_budget(self.config, self.running)
+        num_admissible = min(len(self.waiting), self.config.max_num_seqs - len(self.running))
+        budget = step_budget = token_budget.step_budget(self.config, self.running, num_admissible)
         self._preempt_for_waiting(preempted, budget)
         num_preempted_for_waiting = len(preempted)
         # Long prefills capped to the threshold: (request, tokens given, tokens wanted), planned last (_top_up).
