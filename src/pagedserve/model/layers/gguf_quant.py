@@ -248,13 +248,13 @@ def _int8_gemv_types(ops) -> frozenset[int]:
 @functools.cache
 def _bf16_types(ops) -> frozenset[int]:
     # BF16_TYPES gemm_gguf_bf16 multiplies in this build on this CPU (AVX512-BF16 or AMX: none elsewhere)
-    return frozenset(getattr(ops, "gguf_bf16_types", lambda: [])()) & frozenset(BF16_TYPES)
+    return frozenset(ops.gguf_bf16_types()) & frozenset(BF16_TYPES)
 
 
 @functools.cache
 def _bf16_block32_types(ops) -> frozenset[int]:
     # BF16_BLOCK32_TYPES gemm_gguf_bf16 multiplies in this build on this CPU
-    return frozenset(getattr(ops, "gguf_bf16_types", lambda: [])()) & frozenset(BF16_BLOCK32_TYPES)
+    return frozenset(ops.gguf_bf16_types()) & frozenset(BF16_BLOCK32_TYPES)
 
 
 @dataclass(frozen=True, slots=True)
