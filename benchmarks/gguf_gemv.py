@@ -29,6 +29,7 @@ runs on CPUs without AMX, the LM head left out (a prefill multiplies only its sa
   int8 bf16   gemm_gguf_int8 on bf16 x (from 32 rows the register tiles of csrc/gguf_int8_tiles.h)
   brgemm bf16 gemm_gguf_bf16 (csrc/gguf_bf16.cpp; CPUs with AVX512-BF16 or AMX): bf16 panels rebuilt per call
               and oneDNN's brgemm micro-kernel
+  rebuild+mm bf16  the whole weight rebuilt as bf16 per call (dequant_gguf_bf16) and torch.mm: the panels' rival
   mm bf16     torch.mm on the weight already in bf16 (dequantized once, outside the timing; weights warm):
               the dense bf16 GEMM a bf16 checkpoint runs, what the others are measured against
 --paths picks among these; the shapes are the fused ones (qkv_proj, gate_up_proj) unless --shapes names the
@@ -98,6 +99,7 @@ def paths(ops, qtype: int, cols: int, other_isas: list[str]):
         out["int8 bf16"] = lambda x, w: ops.gemm_gguf_int8(x[1], w, qtype, None)
     if hasattr(ops, "gguf_bf16_types") and qtype in ops.gguf_bf16_types():
         out["brgemm bf16"] = lambda x, w: ops.gemm_gguf_bf16(x[1], w, qtype, None)
+        out["rebuild+mm bf16"] = lambda x, w: x[1] @ ops.dequant_gguf_bf16(w, qtype).t()
     for name in other_isas:
         other = kernels.load_isa(name)
         out[f"f32 {name}"] = lambda x, w, other=other: other.gemm_gguf(x[0], w, qtype, None)

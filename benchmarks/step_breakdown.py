@@ -80,6 +80,8 @@ def extra_types(order_value: str) -> None:
     setattr(gguf_quant, attr, getattr(gguf_quant, attr) + tuple(names[n] for n in types.split("+")))
     if rows:
         setattr(gguf_quant, f"{path.upper()}_MIN_ROWS", int(rows))
+        if path == "bf16":
+            gguf_quant.BF16_MIN_ROWS_AMX = int(rows)
 
 
 def run_steps(args) -> dict:

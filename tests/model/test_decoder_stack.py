@@ -90,6 +90,7 @@ def test_stack_runs_bf16_gemm(tmp_path, dtype, monkeypatch) -> None:
     # 44-row batches of a Q4_K_M model take it in the stack and in the modules alike, bit for bit the same
     monkeypatch.setenv("PAGEDSERVE_GGUF_INT8", "1")
     monkeypatch.setattr(gguf_quant, "BF16_MIN_ROWS", 8)
+    monkeypatch.setattr(gguf_quant, "BF16_MIN_ROWS_AMX", 8)
     if not kernels.load().gguf_bf16_types():
         pytest.skip("no bf16 brgemm on this CPU (it needs AVX512-BF16 or AMX)")
     model = _model(tmp_path, Q4_K_M, dtype)

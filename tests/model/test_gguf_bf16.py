@@ -16,6 +16,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 from pagedserve import kernels
+from pagedserve.kernels import isa
 from pagedserve.model.layers import gguf_quant
 from pagedserve.model.layers.gguf_quant import concat_rows, gguf_linear, kernel_choice
 from tests.model.test_gguf_blocks import TYPES, as_weight, raw_blocks, reference
@@ -69,9 +70,11 @@ def test_bf16_gemm_matches_bf16_product(isa_name: str, qtype) -> None:
         return
     rng = np.random.default_rng(int(qtype))
     gen = torch.Generator().manual_seed(int(qtype))
-    # 150 weight rows at 768 inputs: panels of 64, 64 and 22 rows, K in one slice; 40 rows at 2,560 inputs: one
-    # partial panel rebuilt in two parts of K (2,048 and 512), multiplied in slices of 1,024, 1,024 and 512
-    for rows, cols in ((150, 768), (40, 2560)):
+    # 150 weight rows at 768 inputs: panels of 64, 64 and 22 rows (128 and 22 on AMX), K in one slice; 40 rows at
+    # 2,560 inputs: one partial panel rebuilt in two parts of K (2,048 and 512; one on AMX), multiplied in slices
+    # of 1,024, 1,024 and 512; 600 rows at 2,304 inputs: on AMX panels of 256, 256 and 88 rows rebuilt in two parts
+    # of K (2,048 and 256)
+    for rows, cols in ((150, 768), (40, 2560), (600, 2304)):
         raw = raw_blocks(qtype, rows, cols, rng)
         ref, w = reference(raw, qtype), torch.from_numpy(raw.copy())
         x = torch.randn(131, cols + 16, generator=gen)[:, :cols]  # rows further apart than a row
@@ -89,14 +92,15 @@ def test_bf16_gemm_matches_bf16_product(isa_name: str, qtype) -> None:
 
 @pytest.mark.parametrize("isa_name", ISAS)
 def test_dispatcher_picks_bf16(isa_name: str, monkeypatch) -> None:
-    # A Q4_K_M-like fused weight (Q4_K and Q6_K parts): gemm_gguf_bf16 per part from BF16_MIN_ROWS rows where the
+    # A Q4_K_M-like fused weight (Q4_K and Q6_K parts): gemm_gguf_bf16 per part from bf16_min_rows() rows where the
     # CPU has it, with PAGEDSERVE_GGUF_INT8 and PAGEDSERVE_GGUF_BF16 on; int8 below and with either off; never
     # in batch-invariant mode, nor for a type outside BF16_TYPES (Q4_1)
     rng = np.random.default_rng(5)
     raws = [(T.Q4_K, raw_blocks(T.Q4_K, 24, 512, rng)), (T.Q6_K, raw_blocks(T.Q6_K, 8, 512, rng))]
     fused = concat_rows([as_weight(r, t, 512) for t, r in raws])
     q41 = as_weight(raw_blocks(T.Q4_1, 8, 512, rng), T.Q4_1, 512)
-    low = gguf_quant.BF16_MIN_ROWS
+    low = gguf_quant.bf16_min_rows()  # BF16_MIN_ROWS_AMX on CPUs with AMX (oneDNN's brgemm runs on its tiles)
+    assert low == (gguf_quant.BF16_MIN_ROWS_AMX if "amx_bf16" in isa.cpu_flags() else gguf_quant.BF16_MIN_ROWS)
     x = torch.randn(low + 3, 512, generator=torch.Generator().manual_seed(0))
     bias = torch.randn(32, generator=torch.Generator().manual_seed(1))
     with kernels.use_isa(isa_name) as ops:

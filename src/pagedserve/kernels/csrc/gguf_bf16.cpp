@@ -5,19 +5,19 @@
 //     CPU that runs them: integer rounding, no bf16 instruction)
 // model/layers/gguf_quant.py's kernel_choice decides when it runs.
 //
-// Each panel of kPanelRows weight rows is rebuilt once per call, kPanelBytes of it at a time (64 rows x 2,048 of
-// K: it stays in L2), as gguf_rebuild.h's floats (the very ones dequant_gguf returns) rounded to bf16 as torch's
-// .to(bfloat16) does, and multiplied by every row of x with oneDNN's brgemm micro-kernel
-// (at::native::cpublas::brgemm: vdpbf16ps on AVX512-BF16, tiles on AMX; float32 sums), the roles swapped as in
-// gguf_amx.cpp so that the weights need no transpose: C^T [panel rows, rows of x] = W_panel x^T. The brgemm's A
-// is the panel as rebuilt (row-major, K contiguous); its B is x^T in the VNNI pair layout it wants
-// ([K / 2][chunk][2] bf16: word (p, i) holds x[i][2p], x[i][2p + 1]), built once per call for chunks of kChunk
-// rows of x (the last padded with zero rows to a multiple of 16). Each chunk's sums stay in its own C block
-// across K (add_C, kSlice of K per call); once the panel's K is done, C^T goes into y transposed 16 x 16 at a
-// time, plus the bias, rounded once to y's dtype. Threads take the next panel as they finish one. Results equal
-// bf16(x) bf16(W)^T up to float32 rounding of the sums (a product of two bf16 is exact in float32).
-// The brgemm kernels oneDNN generates are cached per (M, N, K, ld, add_C) and thread; the shapes here are
-// fixed per weight (M = kPanelRows, N a multiple of 16 up to kChunk, K = kSlice or a tail), so there are few.
+// Each panel of kPanelRows weight rows (fewer where a thread would get none) is rebuilt once per call, kPanelBytes
+// of it at a time (64 rows x 2,048 of K, 256 rows on AMX: it stays in L2), as gguf_rebuild.h's floats (the very ones
+// dequant_gguf returns) rounded to bf16 as torch's .to(bfloat16) does, and multiplied by every row of x with
+// oneDNN's brgemm micro-kernel (at::native::cpublas::brgemm: vdpbf16ps on AVX512-BF16, tiles on AMX; float32 sums),
+// the roles swapped as in gguf_amx.cpp so that the weights need no transpose: C^T [panel rows, rows of x] = W_panel
+// x^T. The brgemm's A is the panel as rebuilt (row-major, K contiguous); its B is x^T in the VNNI pair layout it
+// wants ([K / 2][chunk][2] bf16: word (p, i) holds x[i][2p], x[i][2p + 1]), built once per call for chunks of kChunk
+// rows of x (the last padded with zero rows to a multiple of 16). Each chunk's sums stay in its own C block across K
+// (add_C, kSlice of K per call); once the panel's K is done, C^T goes into y transposed 16 x 16 at a time, plus the
+// bias, rounded once to y's dtype. Threads take the next panel as they finish one. Results equal bf16(x) bf16(W)^T
+// up to float32 rounding of the sums (a product of two bf16 is exact in float32). The brgemm kernels oneDNN
+// generates are cached per (M, N, K, ld, add_C) and thread; the shapes here are fixed per weight (M = the panel rows, N
+// a multiple of 16 up to kChunk, K = kSlice or a tail), so there are few.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/native/CPUBlas.h>
@@ -56,8 +56,16 @@ using decode::Vec;
 // (benchmarks/README.md): 32-row panels 0.65-0.8x the speed of 64-row ones, 128-row ones no faster; K slices of
 // 256-2,048 per brgemm call within noise (+-10%), panels of 4,096 of K slower.
 constexpr int64_t kChunk = 64;              // rows of x per brgemm call (its N)
+#if defined(PAGEDSERVE_AMX)
+// AMX multiplies ~3x faster than vdpbf16ps, so streaming all of x (bf16, 2 MB at 512 rows x 2,048 of K: past L2)
+// once per panel becomes the cost; 4x taller panels read it 4x less (1 MB of panel + a 256 KB chunk of x stay in
+// a Sapphire Rapids core's 2 MB L2).
+constexpr int64_t kPanelRows = 256;
+constexpr int64_t kPanelBytes = 1 << 20;
+#else
 constexpr int64_t kPanelRows = 64;          // weight rows per panel (the brgemm's M)
 constexpr int64_t kPanelBytes = 256 << 10;  // a panel's bf16 weights: kPanelRows rows of up to 2,048 of K at a time
+#endif
 constexpr int64_t kSlice = 1024;            // K per brgemm call
 
 // 16 floats as 16 bf16, rounded to nearest even (torch's .to(bfloat16) for finite values)
@@ -80,8 +88,14 @@ void rebuild_rows(const uint8_t* w, int64_t row_bytes, int64_t rows, int64_t nb,
       for (int j = 0; j < E / 32; ++j) {
         Vec v[2];
         blk.sub(j, v);
+#if defined(__AVX512BF16__)
+        // one instruction for 32 (nearest even, as bf16x16; its flushing of denormals never applies: every
+        // type's weights are 0 or multiples of 2^-24, an fp16 scale's smallest step)
+        _mm512_storeu_si512(o + 32 * j, (__m512i)_mm512_cvtne2ps_pbh(v[1], v[0]));
+#else
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 32 * j), bf16x16(v[0]));
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 32 * j + 16), bf16x16(v[1]));
+#endif
       }
     }
   }
@@ -144,7 +158,7 @@ void pack_x(const In* x, int64_t stride, int64_t m, int64_t k, uint16_t* xt) {
   });
 }
 
-// y[r0 + i][n0 + j] = ct[j][i] (+ bias[n0 + j]) for i < rows, j < cols; ct is [kPanelRows][width]
+// y[r0 + i][n0 + j] = ct[j][i] (+ bias[n0 + j]) for i < rows, j < cols; ct is [panel rows][width]
 template <typename Out>
 void store_transposed(const float* ct, int64_t width, int64_t rows, int64_t cols, const float* bias, Out* y,
                       int64_t n, int64_t r0, int64_t n0) {
@@ -153,7 +167,7 @@ void store_transposed(const float* ct, int64_t width, int64_t rows, int64_t cols
     const __m512 b = bias ? _mm512_maskz_loadu_ps(keep, bias + n0 + j0) : _mm512_setzero_ps();
     for (int64_t i0 = 0; i0 < rows; i0 += 16) {
       __m512 in[16], out[16];
-      // ct has kPanelRows >= j0 + 16 rows
+      // ct has panel rows (a multiple of 64) >= j0 + 16
       for (int j = 0; j < 16; ++j) in[j] = _mm512_loadu_ps(ct + (j0 + j) * width + i0);
       pagedserve::transpose16(in, out);
       for (int i = 0; i < 16 && i0 + i < rows; ++i) {
@@ -201,7 +215,9 @@ bool brgemm_works() {
 template <typename Out>
 void gemm(const uint16_t* xt, int64_t m, int64_t k, const uint8_t* w, int64_t n, int64_t row_bytes, int64_t elems,
           int64_t bytes, RebuildFn rebuild, const float* bias, Out* y) {
-  constexpr int64_t np = kPanelRows;
+  // panels of kPanelRows weight rows, shorter (down to 64) where that leaves a thread without one
+  const int64_t threads = at::get_num_threads();
+  const int64_t np = std::clamp<int64_t>(((n + threads - 1) / threads + 63) / 64 * 64, 64, kPanelRows);
   const int64_t ks = std::min(k, std::max<int64_t>(elems, kPanelBytes / (2 * np) / elems * elems));
   const int64_t panels = (n + np - 1) / np, chunks = (m + kChunk - 1) / kChunk;
   std::atomic<int64_t> next{0};

@@ -32,13 +32,13 @@ Q5_0 / Q5_1 weights take it for INT8_Q5_ROWS rows on avx512 / amx, IQ4_XS from 1
 (avx512 / amx on CPUs with VNNI: csrc/gguf_int8_gemv32.h at 1-4 rows); a weight of several types takes it for
 the rows where all of them do. PAGEDSERVE_GGUF_INT8=0 keeps the float kernels.
 
-From BF16_MIN_ROWS rows of x (prefill), weights whose every type is in BF16_TYPES take gemm_gguf_bf16 instead
-where the CPU has bf16 dot products (AVX512-BF16 or AMX: gguf_bf16_types() is empty elsewhere, and AVX2-only
-CPUs keep the int8 tiles): panels of weight rows rebuilt as bf16 once per call, each multiplied by all rows
-of x (rounded to bf16) with oneDNN's brgemm micro-kernel, float32 sums (csrc/gguf_bf16.cpp). It follows
-PAGEDSERVE_GGUF_INT8 (off with it: float32 activations stay exact) and PAGEDSERVE_GGUF_BF16=0 turns it off alone.
-Q4_1 and Q8_0 weights (BF16_BLOCK32_TYPES) take it too for bf16 x from BF16_BLOCK32_MIN_ROWS rows, where the
-variant has no gemm_gguf_amx.
+From BF16_MIN_ROWS rows of x (prefill; BF16_MIN_ROWS_AMX on CPUs with AMX), weights whose every type is in
+BF16_TYPES take gemm_gguf_bf16 instead where the CPU has bf16 dot products (AVX512-BF16 or AMX: gguf_bf16_types()
+is empty elsewhere, and AVX2-only CPUs keep the int8 tiles): panels of weight rows rebuilt as bf16 once per call,
+each multiplied by all rows of x (rounded to bf16) with oneDNN's brgemm micro-kernel, float32 sums
+(csrc/gguf_bf16.cpp). It follows PAGEDSERVE_GGUF_INT8 (off with it: float32 activations stay exact) and
+PAGEDSERVE_GGUF_BF16=0 turns it off alone. Q4_1 and Q8_0 weights (BF16_BLOCK32_TYPES) take it too for bf16 x from
+BF16_BLOCK32_MIN_ROWS rows, where the variant has no gemm_gguf_amx.
 
 Batch-invariant mode (--batch-invariant, docs/batch_invariance.md): the kernel changing with the number of rows
 is what makes a request's greedy tokens depend on the batch (each kernel rounds differently), so there one kernel
@@ -58,6 +58,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedserve import envs, kernels
+from pagedserve.kernels import isa
 
 # GGML type id -> (name, weights per block, bytes per block): the types the kernels rebuild.
 GGUF_BLOCK_TYPES = {2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24),
@@ -117,9 +118,15 @@ INT8_Q8_ROWS = (1, 2)
 # The types gemm_gguf_bf16 takes from BF16_MIN_ROWS rows of x on, where gguf_bf16_types() has them. Llama-1B
 # shapes, Q4_K and Q6_K, 1 thread, CPU time per call, 2-core EPYC Zen 4 at load 11-17 (benchmarks/README.md,
 # results/gguf_gemv_prefill_bf16_t1.json): over the int8 tiles 0.7-1.1x at 128 rows, 0.99-1.35x at 512 (down_proj
-# Q6_K 0.99x), 0.96-1.2x at 1024; so from 256 until a quiet re-time places the crossover.
+# Q6_K 0.99x), 0.96-1.2x at 1024; so from 256 until a quiet re-time places the crossover. On CPUs with AMX
+# (oneDNN's brgemm runs on its tiles there, whatever the kernel variant) from BF16_MIN_ROWS_AMX: Llama-1B shapes,
+# Q4_K and Q6_K, 1 thread, CPU time per call, 2-core Xeon (Sapphire Rapids class) at load 5-14: over int8 (the
+# driver below 32 rows, the tiles from 32) 1.05-1.5x at 24 rows, 1.05-1.6x at 32, 1.4-1.9x at 48-64, 2.5-2.8x at
+# 512, 2.2-2.9x at 2,048; at 16 rows mixed (0.8-1.2x: int8 keeps it). Before, 65-255 rows of bf16 x took the
+# dequantized tiles there (past INT8_MAX_ROWS_AMX), 3-9x slower than the panels.
 BF16_TYPES = (12, 13, 14)
 BF16_MIN_ROWS = 256
+BF16_MIN_ROWS_AMX = 24
 # Blocks of 32 (Q4_1, Q8_0: the embedded SmolLM2's weights and its tied LM head) take gemm_gguf_bf16 for bf16 x
 # from BF16_BLOCK32_MIN_ROWS rows, off the amx variant (gemm_gguf_amx has them there). Float32 x keeps the exact
 # float kernels. Embedded model, bf16, 1 thread, CPU ms per engine step, in turns with gemm_gguf / the tiles,
@@ -286,8 +293,18 @@ class KernelChoice:
 GEMM_IDS = {"gemv": 0, "amx": 1, "int8": 2, "bf16": 3}
 
 
+@functools.cache
+def _cpu_has_amx() -> bool:
+    return "amx_bf16" in isa.cpu_flags()
+
+
+def bf16_min_rows() -> int:
+    # the rows of x from which gemm_gguf_bf16 beats the int8 tiles on this CPU
+    return BF16_MIN_ROWS_AMX if _cpu_has_amx() else BF16_MIN_ROWS
+
+
 def kernel_choice(ops, dtype: torch.dtype, qtypes: tuple[int, ...]) -> KernelChoice:
-    bf16_rows = BF16_MIN_ROWS if envs.gguf_int8() and envs.gguf_bf16() else 0
+    bf16_rows = bf16_min_rows() if envs.gguf_int8() and envs.gguf_bf16() else 0
     return _kernel_choice(ops, dtype, qtypes, envs.gguf_int8(), bf16_rows)
 
 
@@ -308,7 +325,7 @@ def _int8_rows(ops, dtype: torch.dtype, qtype: int) -> tuple[int, int] | None:
 @functools.cache
 def _kernel_choice(ops, dtype: torch.dtype, qtypes: tuple[int, ...], int8_allowed: bool,
                    bf16_rows: int = 0) -> KernelChoice:
-    # bf16_rows: BF16_MIN_ROWS where PAGEDSERVE_GGUF_INT8 and PAGEDSERVE_GGUF_BF16 allow gemm_gguf_bf16, else 0
+    # bf16_rows: bf16_min_rows() where PAGEDSERVE_GGUF_INT8 and PAGEDSERVE_GGUF_BF16 allow gemm_gguf_bf16, else 0
     amx = dtype == torch.bfloat16 and _amx_gemm(ops) is not None and all(t in AMX_TYPES for t in qtypes)
     bf16 = bf16_rows if all(t in _bf16_types(ops) for t in qtypes) else 0
     if bf16_rows and dtype == torch.bfloat16 and _amx_gemm(ops) is None and all(t in _bf16_block32_types(ops)
