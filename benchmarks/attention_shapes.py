@@ -88,11 +88,12 @@ def decode_inputs(num_seqs: int, context: int, heads: int, kv_heads: int, head_d
 
 
 def prefill_inputs(n: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
-                   gen: torch.Generator) -> tuple:
-    nb = -(-n // BLOCK_SIZE)
+                   gen: torch.Generator, prefix: int = 0) -> tuple:
+    # n new tokens after `prefix` cached ones (a chunk of a longer prompt, or a prompt over a cached prefix).
+    nb = -(-(prefix + n) // BLOCK_SIZE)
     tables = torch.arange(nb)[None]
     return (*new_tokens(n, heads, kv_heads, head_dim, dtype, gen), cache(nb, kv_heads, head_dim, dtype, gen),
-            torch.arange(n), tables, torch.tensor([n]), torch.tensor([0, n]))
+            torch.arange(prefix, prefix + n), tables, torch.tensor([prefix + n]), torch.tensor([0, n]))
 
 
 def new_tokens(n: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, gen: torch.Generator):
@@ -135,7 +136,8 @@ def main() -> None:
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     p.add_argument("--num-seqs", type=int, nargs="+", default=[1, 16])
     p.add_argument("--contexts", type=int, nargs="+", default=[10, 100, 1000, 4000])
-    p.add_argument("--prefill-len", type=int, default=512, help="0: no prefill")
+    p.add_argument("--prefill-len", type=int, nargs="+", default=[512], help="0: no prefill")
+    p.add_argument("--prefix-len", type=int, nargs="+", default=[0], help="cached tokens before each prefill")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--num-threads", type=int, default=None)
     p.add_argument("--window", type=int, default=0, help="> 0: paged_attention_windowed with this window")
@@ -158,24 +160,24 @@ def main() -> None:
     clock = time.process_time if args.cpu_time else time.perf_counter
     gen = torch.Generator().manual_seed(0)
     configs = [("decode", n, c) for n in args.num_seqs for c in args.contexts]
-    if args.prefill_len:
-        configs.append(("prefill", 1, args.prefill_len))
+    configs += [("prefill", prefix, n) for n in args.prefill_len if n for prefix in args.prefix_len]
     for shape in args.shapes:
         heads, kv_heads, head_dim = SHAPES[shape]
         for dtype_name in args.dtypes:
             dtype = getattr(torch, dtype_name)
             for kind, num_seqs, tokens in configs:
                 inputs = (decode_inputs(num_seqs, tokens, heads, kv_heads, head_dim, dtype, gen) if kind == "decode"
-                          else prefill_inputs(tokens, heads, kv_heads, head_dim, dtype, gen))
+                          else prefill_inputs(tokens, heads, kv_heads, head_dim, dtype, gen, num_seqs))
                 us = time_variants(variants, inputs, head_dim ** -0.5, args.rounds, args.window, args.softcap, clock)
                 row = {"shape": shape, "num_heads": heads, "num_kv_heads": kv_heads, "head_dim": head_dim,
-                       "dtype": dtype_name, "kind": kind, "num_seqs": num_seqs,
-                       "context" if kind == "decode" else "prompt_len": tokens,
+                       "dtype": dtype_name, "kind": kind,
+                       **({"num_seqs": num_seqs, "context": tokens} if kind == "decode"
+                          else {"prefix_len": num_seqs, "prompt_len": tokens}),
                        **{f"us_{name}": round(t, 1) for name, t in us.items()}}
                 if "before" in us:
                     row["speedup"] = round(us["before"] / us["after"], 2)
                 result["rows"].append(row)
-                print(f"{shape:13s} {dtype_name:8s} {kind:7s} {num_seqs:2d} x {tokens:5d}  "
+                print(f"{shape:13s} {dtype_name:8s} {kind:7s} {num_seqs:5d} {'x' if kind == 'decode' else '+'} {tokens:5d}  "
                       + "  ".join(f"{name} {t:9.1f} us" for name, t in us.items())
                       + (f"  x{row['speedup']:.2f}" if "speedup" in row else ""), flush=True)
                 del inputs

@@ -151,6 +151,40 @@ def test_bf16_prefill_tiles_close_to_float32(isa_name: str, kv: str, num_heads: 
     assert_within_bf16_rounding(got, q, got_cache, meta)
 
 
+# Long prompts and chunks (the AMX tiles walk keys in chunks of 32, over many blocks, rows whose maximum moves late),
+# on real shapes: Llama-3.2-1B, Qwen2.5-1.5B, SmolLM2 with blocks of 24 (sub-blocks of 16 and 8), GQA 6 at blocks
+# of 16; a 300-token chunk over 700 cached tokens, a 517-token prompt, a decode beside them.
+LONG_SEQS = [(700, 300), (0, 517), (400, 1)]
+
+
+@pytest.mark.parametrize("isa_name", ISAS)
+@pytest.mark.parametrize("kv", ["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size",
+                         [(32, 8, 64, 16), (12, 2, 128, 16), (9, 3, 64, 24), (24, 4, 64, 16)])
+def test_long_prefill_close_to_float32(isa_name: str, kv: str, num_heads: int, num_kv_heads: int, head_dim: int,
+                                       block_size: int) -> None:
+    gen = torch.Generator().manual_seed(5)
+    lens = [c + q for c, q in LONG_SEQS]
+    num_blocks = sum(-(-n // block_size) for n in lens) + 8
+    meta = build_attention_metadata(LONG_SEQS, scattered_block_tables(lens, block_size, num_blocks, seed=5),
+                                    block_size)
+    n = sum(q for _, q in LONG_SEQS)
+    dtype = torch.float32 if kv == "float32" else torch.bfloat16
+    q, k, v = (torch.randn(n, h, head_dim, generator=gen).mul(2).to(dtype)
+               for h in (num_heads, num_kv_heads, num_kv_heads))
+    context = torch.randn(2, num_blocks * block_size, num_kv_heads, head_dim, generator=gen)
+    cache = filled_cache(kv, context, num_blocks, block_size)
+    got_cache = cache.clone()
+    got = CpuPagedAttentionBackend(kernels.load_isa(isa_name)).forward(q, k, v, got_cache, meta, head_dim ** -0.5)
+    if kv != "float32":
+        assert_within_bf16_rounding(got, q, got_cache, meta)
+        return
+    ref_cache = cache.clone()
+    expected = ReferenceAttentionBackend().forward(q, k, v, ref_cache, meta, head_dim ** -0.5)
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
+    assert torch.equal(got_cache, ref_cache)
+
+
 def assert_within_bf16_rounding(got: torch.Tensor, q: torch.Tensor, got_cache: torch.Tensor, meta) -> None:
     # float32 arithmetic on the cache the kernel wrote (8-bit rows as it quantized them). The expected difference:
     # the output's rounding to bf16 (2^-9 of |out|) and, on AMX, the weights' (2^-9 of each p_j, so at most 2^-9
