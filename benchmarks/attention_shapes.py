@@ -5,13 +5,15 @@
 
 Each configuration is one kernel call (ops.paged_attention: write this step's K/V, attend) on a hot cache, blocks
 of 16, sequence i owning blocks i, i + n, i + 2n, ... (scattered): decode of --num-seqs sequences at each
---contexts length, and one --prefill-len token prompt. float32 and bf16 (queries, K/V and cache alike).
+--contexts length, and a prompt of each --prefill-len after each --prefix-len cached tokens (a chunk of a longer
+prompt, or a prompt over a cached prefix). float32 and bf16 (queries, K/V and cache alike).
 --before REF also builds paged_attention.cpp as it was at git REF (into its own op namespace, beside this
 tree's) and times both, interleaved round by round and configuration by configuration, so that load from
 other processes on a shared machine hits both alike; each number is the median over --rounds.
---window W / --softcap C time paged_attention_windowed instead (Gemma's sliding layers: window 512 on
-Gemma-3-1B, 4096 and cap 50 on Gemma 2), and --cpu-time counts this process's CPU time, not wall time
-(with --num-threads 1, steadier on a loaded machine):
+--sdpa also times torch.nn.functional.scaled_dot_product_attention (CPU flash attention) on each prefill
+without a cached prefix. --window W / --softcap C time paged_attention_windowed instead (Gemma's sliding layers:
+window 512 on Gemma-3-1B, 4096 and cap 50 on Gemma 2), and --cpu-time counts this process's CPU time, not wall
+time (with --num-threads 1, steadier on a loaded machine):
 
     python benchmarks/attention_shapes.py --before HEAD~1 --shapes gemma-3-1b --window 512 --num-seqs 1 \
         --contexts 1000 --prefill-len 1024 --dtypes float32 bfloat16 --num-threads 1 --cpu-time
@@ -104,14 +106,24 @@ def cache(num_blocks: int, kv_heads: int, head_dim: int, dtype: torch.dtype, gen
     return torch.randn(2, num_blocks, BLOCK_SIZE, kv_heads, head_dim, generator=gen).to(dtype)
 
 
+def sdpa_call(args: tuple, scale: float):
+    # torch's CPU flash attention on the same prompt (no cached prefix: is_causal aligns the first query with the
+    # first key), with the K/V it would get as contiguous tensors; the kernel also writes the cache.
+    q, k, v = (x.transpose(0, 1)[None] for x in args[:3])
+    return lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                                                    enable_gqa=True)
+
+
 def time_variants(variants: dict, args: tuple, scale: float, rounds: int, window: int = 0, softcap: float = 0.0,
-                  clock=time.perf_counter) -> dict[str, float]:
-    # Microseconds per call, median over rounds; each round runs every variant for about 20 ms.
+                  clock=time.perf_counter, extra: dict | None = None) -> dict[str, float]:
+    # Microseconds per call, median over rounds; each round runs every variant (and each of `extra`'s calls) for
+    # about 20 ms.
     if window or softcap:
         calls = {name: (lambda ops=ops: ops.paged_attention_windowed(*args, scale, -1, window, softcap, False))
                  for name, ops in variants.items()}
     else:
         calls = {name: (lambda ops=ops: ops.paged_attention(*args, scale, -1)) for name, ops in variants.items()}
+    calls.update(extra or {})
     reps = {}
     for name, call in calls.items():
         call()
@@ -143,6 +155,7 @@ def main() -> None:
     p.add_argument("--window", type=int, default=0, help="> 0: paged_attention_windowed with this window")
     p.add_argument("--softcap", type=float, default=0.0, help="> 0: paged_attention_windowed with this score cap")
     p.add_argument("--cpu-time", action="store_true", help="time by this process's CPU time, not wall time")
+    p.add_argument("--sdpa", action="store_true", help="also time torch's SDPA on prefills without a cached prefix")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     if args.num_threads:
@@ -168,7 +181,10 @@ def main() -> None:
             for kind, num_seqs, tokens in configs:
                 inputs = (decode_inputs(num_seqs, tokens, heads, kv_heads, head_dim, dtype, gen) if kind == "decode"
                           else prefill_inputs(tokens, heads, kv_heads, head_dim, dtype, gen, num_seqs))
-                us = time_variants(variants, inputs, head_dim ** -0.5, args.rounds, args.window, args.softcap, clock)
+                sdpa = args.sdpa and kind == "prefill" and num_seqs == 0 and not (args.window or args.softcap)
+                extra = {"sdpa": sdpa_call(inputs, head_dim ** -0.5)} if sdpa else None
+                us = time_variants(variants, inputs, head_dim ** -0.5, args.rounds, args.window, args.softcap, clock,
+                                   extra)
                 row = {"shape": shape, "num_heads": heads, "num_kv_heads": kv_heads, "head_dim": head_dim,
                        "dtype": dtype_name, "kind": kind,
                        **({"num_seqs": num_seqs, "context": tokens} if kind == "decode"

@@ -153,8 +153,8 @@ def test_bf16_prefill_tiles_close_to_float32(isa_name: str, kv: str, num_heads: 
 
 # Long prompts and chunks (the AMX tiles walk keys in chunks of 32, over many blocks, rows whose maximum moves late),
 # on real shapes: Llama-3.2-1B, Qwen2.5-1.5B, SmolLM2 with blocks of 24 (sub-blocks of 16 and 8), GQA 6 at blocks
-# of 16; a 300-token chunk over 700 cached tokens, a 517-token prompt, a decode beside them.
-LONG_SEQS = [(700, 300), (0, 517), (400, 1)]
+# of 16; a 200-token chunk over 300 cached tokens, a 261-token prompt, a decode beside them.
+LONG_SEQS = [(300, 200), (0, 261), (400, 1)]
 
 
 @pytest.mark.parametrize("isa_name", ISAS)
