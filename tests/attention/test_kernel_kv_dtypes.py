@@ -136,19 +136,28 @@ PREFILL_SEQS = [(0, 45), (300, 23), (17, 16), (0, 5), (90, 1), (33, 2), (0, 1), 
                          [(9, 3, 64, 16), (8, 2, 128, 8), (4, 4, 32, 5), (6, 1, 64, 32)])
 def test_bf16_prefill_tiles_close_to_float32(isa_name: str, kv: str, num_heads: int, num_kv_heads: int,
                                              head_dim: int, block_size: int) -> None:
-    gen = torch.Generator().manual_seed(4)
-    lens = [c + q for c, q in PREFILL_SEQS]
-    num_blocks = sum(-(-n // block_size) for n in lens) + 8
-    meta = build_attention_metadata(PREFILL_SEQS, scattered_block_tables(lens, block_size, num_blocks, seed=4),
-                                    block_size)
-    n = sum(q for _, q in PREFILL_SEQS)
-    q, k, v = (torch.randn(n, h, head_dim, generator=gen).to(torch.bfloat16)
-               for h in (num_heads, num_kv_heads, num_kv_heads))
-    cache = filled_cache(kv, torch.randn(2, num_blocks * block_size, num_kv_heads, head_dim, generator=gen),
-                         num_blocks, block_size)
+    q, k, v, cache, meta = prefill_batch(PREFILL_SEQS, kv, num_heads, num_kv_heads, head_dim, block_size, seed=4)
     got_cache = cache.clone()
     got = CpuPagedAttentionBackend(kernels.load_isa(isa_name)).forward(q, k, v, got_cache, meta, head_dim ** -0.5)
     assert_within_bf16_rounding(got, q, got_cache, meta)
+
+
+def prefill_batch(seqs: list[tuple[int, int]], kv: str, num_heads: int, num_kv_heads: int, head_dim: int,
+                  block_size: int, seed: int, spread: float = 1.0):
+    # Sequences of (cached, new) tokens over scattered blocks; queries and new K/V of std `spread` (bf16, float32
+    # for a float32 cache), a cache full of context rows.
+    gen = torch.Generator().manual_seed(seed)
+    lens = [c + q for c, q in seqs]
+    num_blocks = sum(-(-n // block_size) for n in lens) + 8
+    meta = build_attention_metadata(seqs, scattered_block_tables(lens, block_size, num_blocks, seed=seed),
+                                    block_size)
+    n = sum(q for _, q in seqs)
+    dtype = torch.float32 if kv == "float32" else torch.bfloat16
+    q, k, v = (torch.randn(n, h, head_dim, generator=gen).mul(spread).to(dtype)
+               for h in (num_heads, num_kv_heads, num_kv_heads))
+    cache = filled_cache(kv, torch.randn(2, num_blocks * block_size, num_kv_heads, head_dim, generator=gen),
+                         num_blocks, block_size)
+    return q, k, v, cache, meta
 
 
 # Long prompts and chunks (the AMX tiles walk keys in chunks of 32, over many blocks, rows whose maximum moves late),
@@ -163,17 +172,8 @@ LONG_SEQS = [(300, 200), (0, 261), (400, 1)]
                          [(32, 8, 64, 16), (12, 2, 128, 16), (9, 3, 64, 24), (24, 4, 64, 16)])
 def test_long_prefill_close_to_float32(isa_name: str, kv: str, num_heads: int, num_kv_heads: int, head_dim: int,
                                        block_size: int) -> None:
-    gen = torch.Generator().manual_seed(5)
-    lens = [c + q for c, q in LONG_SEQS]
-    num_blocks = sum(-(-n // block_size) for n in lens) + 8
-    meta = build_attention_metadata(LONG_SEQS, scattered_block_tables(lens, block_size, num_blocks, seed=5),
-                                    block_size)
-    n = sum(q for _, q in LONG_SEQS)
-    dtype = torch.float32 if kv == "float32" else torch.bfloat16
-    q, k, v = (torch.randn(n, h, head_dim, generator=gen).mul(2).to(dtype)
-               for h in (num_heads, num_kv_heads, num_kv_heads))
-    context = torch.randn(2, num_blocks * block_size, num_kv_heads, head_dim, generator=gen)
-    cache = filled_cache(kv, context, num_blocks, block_size)
+    q, k, v, cache, meta = prefill_batch(LONG_SEQS, kv, num_heads, num_kv_heads, head_dim, block_size, seed=5,
+                                         spread=2.0)
     got_cache = cache.clone()
     got = CpuPagedAttentionBackend(kernels.load_isa(isa_name)).forward(q, k, v, got_cache, meta, head_dim ** -0.5)
     if kv != "float32":
