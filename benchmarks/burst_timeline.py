@@ -23,19 +23,12 @@ from common import machine_info, write_json  # noqa: E402
 
 from pagedserve import LLM, SamplingParams  # noqa: E402
 from pagedserve.bench.dataset import parse_range, random_requests  # noqa: E402
+from pagedserve.bench.metrics import percentiles  # noqa: E402
 from pagedserve.config import CHUNKED_PREFILL_BATCHED_TOKENS, MIN_BATCHED_TOKENS  # noqa: E402
 
 
 def parse_budget(text: str) -> tuple[int, int]:
     return (MIN_BATCHED_TOKENS, CHUNKED_PREFILL_BATCHED_TOKENS) if text == "adaptive" else parse_range(text)
-
-
-def pct(values: list[float], q: float) -> float:
-    # Linear interpolation, as bench serve's percentiles (numpy's default).
-    v = sorted(values)
-    k = (len(v) - 1) * q / 100
-    lo = int(k)
-    return v[lo] + (v[min(lo + 1, len(v) - 1)] - v[lo]) * (k - lo)
 
 
 def run_closed_loop(llm: LLM, prompts: list[tuple[str, int]], concurrency: int) -> dict:
@@ -106,10 +99,11 @@ def run_closed_loop(llm: LLM, prompts: list[tuple[str, int]], concurrency: int) 
     ttfts = [r["ttft_cpu_s"] for r in rows]
     tpots = [r["tpot_cpu_s"] for r in rows if r["tpot_cpu_s"] is not None]
     out_tokens = sum(r["output_len"] for r in rows)
+    ttft, tpot = percentiles(ttfts), percentiles(tpots)
     return {"cpu_s": clock, "wall_s": wall, "num_steps": len(steps), "output_tokens": out_tokens,
             "output_tok_per_cpu_s": out_tokens / clock, "output_tok_per_wall_s": out_tokens / wall,
-            "ttft_cpu_p50_s": pct(ttfts, 50), "ttft_cpu_p99_s": pct(ttfts, 99), "ttft_cpu_max_s": max(ttfts),
-            "tpot_cpu_p50_s": pct(tpots, 50), "tpot_cpu_p99_s": pct(tpots, 99),
+            "ttft_cpu_p50_s": ttft.p50, "ttft_cpu_p99_s": ttft.p99, "ttft_cpu_max_s": max(ttfts),
+            "tpot_cpu_p50_s": tpot.p50, "tpot_cpu_p99_s": tpot.p99,
             "requests": sorted(rows, key=lambda r: r["index"]),
             "steps": [{k: v for k, v in s.items() if k != "end_clock"} for s in steps]}
 
