@@ -217,4 +217,29 @@ inline void dequant_block(const uint8_t* b, float* w) {
   }
 }
 
+// A thread's weight rows n0 .. n1 - 1 in a few-row kernel (gguf_int8_gemv*.h), read as kStreams runs side by
+// side: block g of row i of each run, then block g + 1, so kStreams rows far apart are in flight at once. One
+// sequential read left a Xeon core (Sapphire Rapids class, 2-vCPU VM) at 7-10 GB/s whatever the software
+// prefetch distance or hint (0-16 KB ahead, T0/T1/T2/NTA), against 12-16 GB/s for torch's sum over the same
+// bytes; 4 runs read Llama-1B's shapes 1.5-1.8x faster (2 threads: 18-22 GB/s against 11-13; 2 runs 15-19,
+// 8 runs no better than 4). K provides Acc (zero when built), add(acc, n, g) for block g of weight row n, and
+// store(acc, n). The sums of each row are the same as one run's, in the same order.
+constexpr int kStreams = 4;
+
+template <class K>
+[[gnu::always_inline]] inline void streamed_rows(const K& kernel, int64_t n0, int64_t n1, int64_t blocks) {
+  const int64_t run = (n1 - n0) / kStreams;
+  for (int64_t i = 0; i < run; ++i) {
+    typename K::Acc acc[kStreams];
+    for (int64_t g = 0; g < blocks; ++g)
+      for (int s = 0; s < kStreams; ++s) kernel.add(acc[s], n0 + s * run + i, g);
+    for (int s = 0; s < kStreams; ++s) kernel.store(acc[s], n0 + s * run + i);
+  }
+  for (int64_t n = n0 + kStreams * run; n < n1; ++n) {
+    typename K::Acc acc;
+    for (int64_t g = 0; g < blocks; ++g) kernel.add(acc, n, g);
+    kernel.store(acc, n);
+  }
+}
+
 }  // namespace pagedserve::gguf

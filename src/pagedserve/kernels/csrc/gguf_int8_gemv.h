@@ -14,7 +14,8 @@
 //     x's int16 sums per 16 (vpmaddwd), not float vectors;
 //   - every accumulator stays in a register: per row of x one float vector for d * dx * (quants . x) and one
 //     half vector for dmin * dx * (mins . sums), summed once per weight row;
-//   - each thread reads one contiguous run of weight rows, prefetching kAhead bytes ahead of its reads;
+//   - each thread reads its contiguous run of weight rows as kStreams runs side by side (gguf_blocks.h),
+//     prefetching kAhead bytes ahead of its reads;
 //   - rows of x of more than kLongRow inputs go 2 per pass over the weights (see gemm).
 // The sums are the same integers as gguf_int8.h's, so the results equal its own up to float32 rounding.
 #pragma once
@@ -33,8 +34,8 @@
 namespace pagedserve::gguf::int8::gemv {
 
 constexpr int64_t kMaxRows = 4, kLongRow = 4096;
-// Bytes ahead of a thread's reads it prefetches (its rows are one contiguous run). One thread read Llama-1B's
-// shapes at about the same GB/s from 0 to 8 KB ahead (the hardware prefetchers follow one stream); kept for two.
+// Bytes ahead of each read it prefetches. One thread read Llama-1B's shapes at about the same GB/s from 0 to 8 KB
+// ahead on the EPYC, and from 0 to 16 KB ahead on the Xeon (one run or 4 side by side).
 constexpr int64_t kAhead = 2048;
 
 inline bool takes(int64_t type, int64_t m) {
@@ -182,44 +183,50 @@ struct Acc {
   }
 };
 
-// acc += blocks g0 .. g1 - 1 of the weight row at `row` times the MR rows of x.
+// acc += block g of the weight row at `row` times the MR rows of x.
 template <int64_t T, class Dot, int MR>
-[[gnu::always_inline]] inline void span(const Args& a, const uint8_t* row, int64_t g0, int64_t g1,
-                                        const __m512i* idx, Acc<MR>& acc) {
+[[gnu::always_inline]] inline void add_block(const Args& a, const uint8_t* row, int64_t g, const __m512i* idx,
+                                             Acc<MR>& acc) {
   constexpr int64_t B = Format<T>::kBytes;
-  for (int64_t g = g0; g < g1; ++g) {
-    const uint8_t* b = row + g * B;
-    prefetch_block(b + kAhead, B);
-    Block u;
-    rebuild<T>(b, idx, u);
-    for (int r = 0; r < MR; ++r) {
-      const int8_t* xq = a.x.q + r * a.x.kpad + g * kGroup;
-      __m512i s = _mm512_setzero_si512();
-      for (int v = 0; v < 4; ++v) s = Dot::dot(s, u.q[v], _mm512_loadu_si512(xq + 64 * v), u.sc[v]);
-      const __m256i off = _mm256_madd_epi16(
-          u.offset16, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.x.sums + (r * a.x.groups + g) * 16)));
-      const float dx = a.x.d[r * a.x.groups + g];
-      if constexpr (T == kQ6_K) {  // q - 32: the same d
-        s = _mm512_sub_epi32(s, _mm512_zextsi256_si512(_mm256_slli_epi32(off, 5)));
-      } else {
-        acc.off[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(off), _mm256_set1_ps(u.dmin * dx), acc.off[r]);
-      }
-      acc.q[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_set1_ps(u.d * dx), acc.q[r]);
+  const uint8_t* b = row + g * B;
+  prefetch_block(b + kAhead, B);
+  Block u;
+  rebuild<T>(b, idx, u);
+  for (int r = 0; r < MR; ++r) {
+    const int8_t* xq = a.x.q + r * a.x.kpad + g * kGroup;
+    __m512i s = _mm512_setzero_si512();
+    for (int v = 0; v < 4; ++v) s = Dot::dot(s, u.q[v], _mm512_loadu_si512(xq + 64 * v), u.sc[v]);
+    const __m256i off = _mm256_madd_epi16(
+        u.offset16, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.x.sums + (r * a.x.groups + g) * 16)));
+    const float dx = a.x.d[r * a.x.groups + g];
+    if constexpr (T == kQ6_K) {  // q - 32: the same d
+      s = _mm512_sub_epi32(s, _mm512_zextsi256_si512(_mm256_slli_epi32(off, 5)));
+    } else {
+      acc.off[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(off), _mm256_set1_ps(u.dmin * dx), acc.off[r]);
     }
+    acc.q[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_set1_ps(u.d * dx), acc.q[r]);
   }
 }
+
+// One weight row times the MR rows of x, a block at a time (for streamed_rows).
+template <int64_t T, class Dot, int MR, typename Out>
+struct RowKernel {
+  using Acc = gemv::Acc<MR>;
+  const Args& a;
+  const __m512i* idx;
+  [[gnu::always_inline]] void add(Acc& acc, int64_t n, int64_t g) const {
+    add_block<T, Dot, MR>(a, a.w + n * a.row_bytes, g, idx, acc);
+  }
+  [[gnu::always_inline]] void store(const Acc& acc, int64_t n) const {
+    Out* y = static_cast<Out*>(a.y);
+    for (int r = 0; r < MR; ++r) y[r * a.n + n] = static_cast<Out>(acc.sum(r) + (a.bias ? a.bias[n] : 0.f));
+  }
+};
 
 // Weight rows n0 .. n1 - 1 times the MR rows of x.
 template <int64_t T, class Dot, int MR, typename Out>
 [[gnu::always_inline]] inline void rows(const Args& a, int64_t n0, int64_t n1) {
-  const __m512i* idx = scale_indices<T>();
-  const int64_t nb = a.k / kGroup;
-  Out* y = static_cast<Out*>(a.y);
-  for (int64_t n = n0; n < n1; ++n) {
-    Acc<MR> acc;
-    span<T, Dot, MR>(a, a.w + n * a.row_bytes, 0, nb, idx, acc);
-    for (int r = 0; r < MR; ++r) y[r * a.n + n] = static_cast<Out>(acc.sum(r) + (a.bias ? a.bias[n] : 0.f));
-  }
+  streamed_rows(RowKernel<T, Dot, MR, Out>{a, scale_indices<T>()}, n0, n1, a.k / kGroup);
 }
 
 template <int64_t T, class Dot, typename Out>

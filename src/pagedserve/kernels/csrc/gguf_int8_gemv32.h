@@ -158,38 +158,50 @@ struct Args {
   return _mm_cvtss_f32(_mm_add_ss(h2, _mm_movehdup_ps(h2)));
 }
 
+// One weight row times the MR rows of x, a group at a time (for streamed_rows).
+template <int64_t T, int MR, typename Out>
+struct RowKernel {
+  static constexpr int64_t kGroupBytes = T == kQ8_0 ? 8 * 34 : 136;
+  struct Acc {
+    __m512 q[MR];
+    __m256 off[MR];
+    Acc() {
+      for (int r = 0; r < MR; ++r) q[r] = _mm512_setzero_ps(), off[r] = _mm256_setzero_ps();
+    }
+  };
+  const Args& a;
+  [[gnu::always_inline]] void add(Acc& acc, int64_t n, int64_t g) const {
+    const uint8_t* row = a.w + n * a.row_bytes;
+    for (int64_t off = 0; off < kGroupBytes; off += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(row + g * kGroupBytes + kAhead + off), _MM_HINT_T0);
+    Group u;
+    if constexpr (T == kQ8_0) rebuild_q8_0(row, g, a.k / 32, u);
+    else rebuild_iq4_xs(row, g, u);
+    for (int r = 0; r < MR; ++r) {
+      const int8_t* xq = a.q + r * a.stride + g * kGroup;
+      __m512 f = _mm512_setzero_ps();
+      for (int v = 0; v < u.nv; ++v) {
+        const __m512i s = DotVnni::dot4(u.q[v], _mm512_loadu_si512(xq + 64 * v));
+        f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), u.scale[v], f);
+      }
+      const float dx = a.d[r * a.groups + g];
+      const __m256i sum32 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.sums + (r * a.groups + g) * 8));
+      acc.q[r] = _mm512_fmadd_ps(f, _mm512_set1_ps(dx), acc.q[r]);
+      acc.off[r] = _mm256_fmadd_ps(_mm256_mul_ps(u.scale8, _mm256_set1_ps(dx)), _mm256_cvtepi32_ps(sum32), acc.off[r]);
+    }
+  }
+  [[gnu::always_inline]] void store(const Acc& acc, int64_t n) const {
+    Out* y = static_cast<Out*>(a.y);
+    for (int r = 0; r < MR; ++r)
+      y[r * a.n + n] =
+          static_cast<Out>(_mm512_reduce_add_ps(acc.q[r]) - 128.f * hsum8(acc.off[r]) + (a.bias ? a.bias[n] : 0.f));
+  }
+};
+
 // Weight rows n0 .. n1 - 1 times the MR rows of x.
 template <int64_t T, int MR, typename Out>
 [[gnu::noinline, gnu::target("avx512vnni")]] void rows(const Args& a, int64_t n0, int64_t n1) {
-  const int64_t group_bytes = T == kQ8_0 ? 8 * 34 : 136, nb = a.k / 32;
-  Out* y = static_cast<Out*>(a.y);
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* row = a.w + n * a.row_bytes;
-    __m512 acc[MR];
-    __m256 off[MR];
-    for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps(), off[r] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < a.groups; ++g) {
-      for (int64_t off = 0; off < group_bytes; off += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(row + g * group_bytes + kAhead + off), _MM_HINT_T0);
-      Group u;
-      if constexpr (T == kQ8_0) rebuild_q8_0(row, g, nb, u);
-      else rebuild_iq4_xs(row, g, u);
-      for (int r = 0; r < MR; ++r) {
-        const int8_t* xq = a.q + r * a.stride + g * kGroup;
-        __m512 f = _mm512_setzero_ps();
-        for (int v = 0; v < u.nv; ++v) {
-          const __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u.q[v], _mm512_loadu_si512(xq + 64 * v));
-          f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), u.scale[v], f);
-        }
-        const float dx = a.d[r * a.groups + g];
-        const __m256i sum32 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.sums + (r * a.groups + g) * 8));
-        acc[r] = _mm512_fmadd_ps(f, _mm512_set1_ps(dx), acc[r]);
-        off[r] = _mm256_fmadd_ps(_mm256_mul_ps(u.scale8, _mm256_set1_ps(dx)), _mm256_cvtepi32_ps(sum32), off[r]);
-      }
-    }
-    for (int r = 0; r < MR; ++r)
-      y[r * a.n + n] = static_cast<Out>(_mm512_reduce_add_ps(acc[r]) - 128.f * hsum8(off[r]) + (a.bias ? a.bias[n] : 0.f));
-  }
+  streamed_rows(RowKernel<T, MR, Out>{a}, n0, n1, a.groups);
 }
 
 template <int64_t T, typename Out>
