@@ -23,7 +23,8 @@
 //   row of x gets the same sums in the same order whatever the number of rows (batch invariance);
 //   - every rebuilt weight vector is multiplied into all MR rows of x at once (x stays in L1), into
 //     R x MR independent accumulators: R weight rows at a time hide the FMA latency even for one row of x;
-//   - each row's blocks are prefetched ahead of where the tile reads them (4 KB for up to 4 rows of x).
+//   - a thread's weight rows are read as 4 runs side by side (gemm), each row's blocks prefetched ahead of
+//     where the tile reads them (4 KB for up to 4 rows of x).
 // bf16 x is widened to float32 once per call by gguf_gemm.cpp, not per weight row.
 #pragma once
 
@@ -54,8 +55,8 @@ struct Args {
 };
 
 // Prefetch distance: each of a tile's R rows is prefetched some distance ahead of where it is read, within
-// the row; past the row's end the same distance lands in the same row of the next tile (R rows on), so rows
-// of any length are covered (a sweep over the tile's R * row_bytes as one range, as before, fell behind the
+// the row; past the row's end the same distance lands in the next row, the same row of the next tile (gemm),
+// so rows of any length are covered (a sweep over the tile's R * row_bytes as one range, as before, fell behind the
 // reads of its later rows once a row passed ~2 KB: Llama-1B's down_proj, 8,192 inputs, read at 0.5-0.8x the
 // GB/s of the 2,048-input shapes). The hardware prefetchers alone leave a single thread ~1.4x slower. For up
 // to 4 rows of x, 4 KB ahead per row; for more rows x fills L1 (8 rows of 1536 floats: 48 KB) and lines
@@ -72,12 +73,11 @@ inline void prefetch(const uint8_t* p, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(reinterpret_cast<const char*>(p + off), _MM_HINT_T0);
 }
 
-// The `bytes` at `offset` of each of the R rows from `row`, `distance` ahead (see kAheadPerRow).
+// The `bytes` at `offset` of each of the R rows from `row` (`apart` bytes apart), `distance` ahead (see
+// kAheadPerRow): past a row's end it lands in the next row, the same row of the next tile (see gemm).
 template <int R>
-inline void prefetch_rows(const uint8_t* row, int64_t row_bytes, int64_t offset, int64_t bytes, int64_t distance) {
-  const int64_t at = offset + distance;
-  const uint8_t* first = row + (at < row_bytes ? at : at + (R - 1) * row_bytes);
-  for (int i = 0; i < R; ++i) prefetch(first + i * row_bytes, bytes);
+inline void prefetch_rows(const uint8_t* row, int64_t apart, int64_t offset, int64_t bytes, int64_t distance) {
+  for (int i = 0; i < R; ++i) prefetch(row + i * apart + offset + distance, bytes);
 }
 
 #if defined(__AVX512F__)
@@ -123,37 +123,37 @@ inline void block(const uint8_t* blk, float d, float m, const float* x, int64_t 
   }
 }
 
-// acc[i][r] += weight row i (of R back to back from `row`) . x row r, over all k / 32 blocks.
+// acc[i][r] += weight row i (of R, `apart` bytes apart from `row`) . x row r, over all k / 32 blocks.
 template <int64_t T, int R, int MR>
-inline void rows_table(const Args& a, const uint8_t* row, const float* x, Vec (&acc)[R][MR]) {
+inline void rows_table(const Args& a, const uint8_t* row, int64_t apart, const float* x, Vec (&acc)[R][MR]) {
   constexpr int64_t B = Format<T>::kBytes;
   const int64_t nb = a.k / 32;
   const int64_t distance = ahead<R, MR>(a);
   alignas(64) float d[R][kChunk], m[R][kChunk];
   for (int64_t c = 0; c < nb; c += kChunk) {
     const int64_t count = std::min(kChunk, nb - c);
-    for (int i = 0; i < R; ++i) scales<T>(row + i * a.row_bytes + c * B, count, d[i], m[i]);
+    for (int i = 0; i < R; ++i) scales<T>(row + i * apart + c * B, count, d[i], m[i]);
     for (int64_t j = 0; j < count; ++j) {
       const int64_t b = c + j;
-      prefetch_rows<R>(row, a.row_bytes, b * B, B, distance);
+      prefetch_rows<R>(row, apart, b * B, B, distance);
       for (int i = 0; i < R; ++i)
-        block<T, MR>(row + i * a.row_bytes + b * B, d[i][j], T == kQ4_1 ? m[i][j] : 0.f, x + 32 * b, a.x_stride,
+        block<T, MR>(row + i * apart + b * B, d[i][j], T == kQ4_1 ? m[i][j] : 0.f, x + 32 * b, a.x_stride,
                      acc[i]);
     }
   }
 }
 #endif
 
-// acc[i][r] += weight row i (of R back to back from `row`) . x row r, over all blocks: each sub-block of 32
-// rebuilt as float vectors (gguf_rebuild.h), then multiplied into the MR rows of x.
+// acc[i][r] += weight row i (of R, `apart` bytes apart from `row`) . x row r, over all blocks: each sub-block
+// of 32 rebuilt as float vectors (gguf_rebuild.h), then multiplied into the MR rows of x.
 template <int64_t T, int R, int MR>
-inline void rows_unpacked(const Args& a, const uint8_t* row, const float* x, Vec (&acc)[R][MR]) {
+inline void rows_unpacked(const Args& a, const uint8_t* row, int64_t apart, const float* x, Vec (&acc)[R][MR]) {
   constexpr int64_t E = Format<T>::kElems, B = Format<T>::kBytes;
   const int64_t distance = ahead<R, MR>(a);
   for (int64_t b = 0; b < a.k / E; ++b) {
-    prefetch_rows<R>(row, a.row_bytes, b * B, B, distance);
+    prefetch_rows<R>(row, apart, b * B, B, distance);
     for (int i = 0; i < R; ++i) {
-      const Rebuild<T> blk(row + i * a.row_bytes + b * B);
+      const Rebuild<T> blk(row + i * apart + b * B);
 #pragma GCC unroll 8
       for (int j = 0; j < E / 32; ++j) {
         Vec w[kVecs];
@@ -167,16 +167,17 @@ inline void rows_unpacked(const Args& a, const uint8_t* row, const float* x, Vec
 }
 
 template <int R, int MR, typename Out>
-inline void store(const Args& a, int64_t n0, int64_t m0, Vec (&acc)[R][MR]) {
+inline void store(const Args& a, int64_t n0, int64_t step, int64_t m0, Vec (&acc)[R][MR]) {
   for (int r = 0; r < MR; ++r) {
     Out* y = static_cast<Out*>(a.y) + (m0 + r) * a.n + n0;
-    for (int i = 0; i < R; ++i) y[i] = static_cast<Out>(hsum(acc[i][r]) + (a.bias ? a.bias[n0 + i] : 0.f));
+    for (int i = 0; i < R; ++i)
+      y[i * step] = static_cast<Out>(hsum(acc[i][r]) + (a.bias ? a.bias[n0 + i * step] : 0.f));
   }
 }
 
-// R weight rows from n0 times MR rows of x from m0.
+// R weight rows n0, n0 + step, ... times MR rows of x from m0.
 template <int64_t T, int R, int MR, typename Out>
-void tile(const Args& a, int64_t n0, int64_t m0) {
+void tile(const Args& a, int64_t n0, int64_t step, int64_t m0) {
   Vec acc[R][MR];
   for (int i = 0; i < R; ++i)
     for (int r = 0; r < MR; ++r) acc[i][r] = zero();
@@ -186,43 +187,51 @@ void tile(const Args& a, int64_t n0, int64_t m0) {
   // up to 4 rows of x; with more, the table path measured 1.1-1.5x slower than the per-block rebuild (its
   // scale arrays and chunk counters push the x row offsets out of the general registers)
   if constexpr (MR <= 4 && kTablePath<T>) {
-    rows_table<T, R, MR>(a, row, x, acc);
-    return store<R, MR, Out>(a, n0, m0, acc);
+    rows_table<T, R, MR>(a, row, step * a.row_bytes, x, acc);
+    return store<R, MR, Out>(a, n0, step, m0, acc);
   }
 #endif
-  rows_unpacked<T, R, MR>(a, row, x, acc);
-  store<R, MR, Out>(a, n0, m0, acc);
+  rows_unpacked<T, R, MR>(a, row, step * a.row_bytes, x, acc);
+  store<R, MR, Out>(a, n0, step, m0, acc);
 }
 
-// Rows n0 .. n1 of w (n1 - n0 <= kGroup) against all m rows of x, in passes of MR rows of x.
+// A group: kGroup weight rows n0, n0 + step, ... (count of them) against all m rows of x, in passes of MR rows
+// of x, R weight rows per tile.
 constexpr int kGroup = 4;
 
 template <int64_t T, int MR, typename Out>
-void group_pass(const Args& a, int64_t n0, int64_t n1, int64_t m0) {
+void group_pass(const Args& a, int64_t n0, int64_t count, int64_t step, int64_t m0) {
   constexpr int R = kAccumulators / MR >= kGroup ? kGroup : (kAccumulators / MR >= 1 ? kAccumulators / MR : 1);
-  int64_t n = n0;
-  for (; n + R <= n1; n += R) tile<T, R, MR, Out>(a, n, m0);
-  for (; n < n1; ++n) tile<T, 1, MR, Out>(a, n, m0);
+  int64_t i = 0;
+  for (; i + R <= count; i += R) tile<T, R, MR, Out>(a, n0 + i * step, step, m0);
+  for (; i < count; ++i) tile<T, 1, MR, Out>(a, n0 + i * step, step, m0);
 }
 
 template <int64_t T, typename Out>
-void gemm(const Args& a, int64_t m) {
+void group(const Args& a, int64_t m, int64_t n0, int64_t count, int64_t step) {
   constexpr int kMaxRows = kAccumulators >= 16 ? 8 : 4;
-  const int64_t groups = (a.n + kGroup - 1) / kGroup;
-  at::parallel_for(0, groups, 4, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g) {
-      const int64_t n0 = g * kGroup, n1 = std::min(n0 + kGroup, a.n);
-      int64_t m0 = 0;
-      for (; m0 + kMaxRows <= m; m0 += kMaxRows) group_pass<T, kMaxRows, Out>(a, n0, n1, m0);
-      const int64_t left = m - m0;
-      if (left >= 4 && kMaxRows > 4) group_pass<T, 4, Out>(a, n0, n1, m0), m0 += 4;
-      switch (m - m0) {
-        case 3: group_pass<T, 3, Out>(a, n0, n1, m0); break;
-        case 2: group_pass<T, 2, Out>(a, n0, n1, m0); break;
-        case 1: group_pass<T, 1, Out>(a, n0, n1, m0); break;
-        default: break;
-      }
-    }
+  int64_t m0 = 0;
+  for (; m0 + kMaxRows <= m; m0 += kMaxRows) group_pass<T, kMaxRows, Out>(a, n0, count, step, m0);
+  const int64_t left = m - m0;
+  if (left >= 4 && kMaxRows > 4) group_pass<T, 4, Out>(a, n0, count, step, m0), m0 += 4;
+  switch (m - m0) {
+    case 3: group_pass<T, 3, Out>(a, n0, count, step, m0); break;
+    case 2: group_pass<T, 2, Out>(a, n0, count, step, m0); break;
+    case 1: group_pass<T, 1, Out>(a, n0, count, step, m0); break;
+    default: break;
+  }
+}
+
+// A thread's weight rows n0 .. n1 - 1 split into kGroup runs of h rows read side by side (group i: rows
+// n0 + i, n0 + h + i, ...; the rows left over as one last group), so that kGroup rows far apart are in flight
+// at once, as gguf_blocks.h's streamed_rows for the int8 kernels (Xeon, Llama-1B shapes, 1 row of x, weights
+// cold, 2 threads: Q4_0 / Q4_1 ~1.5x the GB/s of adjacent rows). Each row's sums are the same as before.
+template <int64_t T, typename Out>
+void gemm(const Args& a, int64_t m) {
+  at::parallel_for(0, (a.n + kGroup - 1) / kGroup, 4, [&](int64_t g0, int64_t g1) {
+    const int64_t n0 = g0 * kGroup, n1 = std::min(g1 * kGroup, a.n), h = (n1 - n0) / kGroup;
+    for (int64_t i = 0; i < h; ++i) group<T, Out>(a, m, n0 + i, kGroup, h);
+    if (n0 + kGroup * h < n1) group<T, Out>(a, m, n0 + kGroup * h, n1 - n0 - kGroup * h, 1);
   });
 }
 
