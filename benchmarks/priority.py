@@ -135,7 +135,8 @@ def main() -> int:
 async def warm_up(base_url: str) -> str:
     # The served model's name, and first-call costs paid outside every measurement.
     async with make_client(None, 600.0) as client:
-        model = (await client.get(f"{base_url}/models")).json()["data"][0]["id"]
+        async with client.get(f"{base_url}/models") as response:
+            model = (await response.json())["data"][0]["id"]
         for req in random_requests(2, (16, 16), (4, 4), seed=3):
             await send_request(client, Endpoint(base_url, model, "warmup"), req, {"temperature": 0.0})
     return model
