@@ -76,7 +76,8 @@ def test_fork_of_a_finished_source_falls_back_to_prefix_cache():
 
 def test_swap_out_and_in_keeps_computed_tokens():
     sched = scheduler(num_blocks=4, block_size=4, host_blocks=4, mode="swap")
-    a, b = make_request("a", 8, max_tokens=3), make_request("b", 8, max_tokens=3)
+    # Prompts of their own: b would otherwise wait for a's prefill of the same blocks.
+    a, b = make_request("a", 8, max_tokens=3), make_request("b", 8, max_tokens=3, first_token=100)
     sched.add_request(a)
     sched.add_request(b)
     worker = WorkerMirror(sched)

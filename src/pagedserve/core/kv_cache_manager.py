@@ -138,6 +138,21 @@ class KVCacheManager:
                 self._disk_hits = (req.req_id, loaded)
         return hits, (len(hits) + len(self._disk_hits[1] if self._disk_hits else ())) * self.block_size
 
+    def num_shared_prefix_tokens(self, req: Request, other: Request) -> int:
+        """Tokens of req's prompt (full blocks that req could take as hits) that other's blocks will also hold:
+        the leading block hashes they share. 0 without caching."""
+        if not self.enable_caching or req.skip_prefix_cache_reads:
+            return 0
+        num_blocks = (req.num_tokens - 1) // self.block_size  # the last token is always computed
+        mine = self._block_hashes(req, num_blocks)[:num_blocks]
+        theirs = self.req_hashes.get(other.req_id, ())
+        n = 0
+        for a, b in zip(mine, theirs):
+            if a != b:
+                break
+            n += 1
+        return n * self.block_size
+
     def record_prefix_query(self, req: Request, num_hit_tokens: int) -> None:
         if self.enable_caching and not req.skip_prefix_cache_reads:  # it never asked the cache
             self.prefix_stats.num_queries += req.num_tokens

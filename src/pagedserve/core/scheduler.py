@@ -137,6 +137,7 @@ class Scheduler:
 
         # Admit waiting requests only when no running one was preempted for memory: it is short this step.
         # A request preempted this step waits at least until the next (the worker drops its rows first).
+        deferred: list[Request] = []  # waiting for a running prefill's blocks (_waits_for_running_prefill)
         while (len(preempted) == num_preempted_for_waiting and self.waiting and budget > 0
                and len(self.running) < self.config.max_num_seqs):
             req = self.waiting.peek()
@@ -163,6 +164,9 @@ class Scheduler:
                 continue
             hits, num_hit_tokens = self.kv.get_computed_blocks(req)
             num_new = req.num_tokens - num_hit_tokens
+            if self._waits_for_running_prefill(req, num_hit_tokens, num_new):
+                deferred.append(self.waiting.pop())
+                continue
             if num_new > budget and not self.config.enable_chunked_prefill:
                 break
             wanted = min(num_new, budget)
@@ -180,12 +184,30 @@ class Scheduler:
                 self._plan(plan, req, num_new)
             budget -= num_new
 
+        for req in deferred:  # back in the queue with their keys: their places are kept
+            self.waiting.add(req)
         budget = self._top_up(plan, capped, budget)
         finished, self._finished_since_plan = self._finished_since_plan, []
         return SchedulerOutput(plan.new_reqs, plan.cached, plan.num_scheduled_tokens,
                                step_budget - budget, preempted, finished,
                                self.kv.take_block_ops(), plan.num_prompt_tokens, plan.num_sampling_reqs,
                                plan.spec_tokens)
+
+    def _waits_for_running_prefill(self, req: Request, num_hit_tokens: int, num_new: int) -> bool:
+        # A running request still prefilling the same prefix (a shared system prompt, requests sent together)
+        # will cache blocks that req would otherwise compute a second time in parallel. When they are at least
+        # half of req's prefill, req waits until they are cached (it was not going to get its first token
+        # sooner: that prefill is ahead of it) and the step's budget goes to other requests. Not for one it
+        # outranks: that one pauses for req (priority policy).
+        now = self.waiting.now
+        for other in self.running:
+            if other.num_computed_tokens >= other.num_prompt_tokens or self.policy.outranks(req, other, now):
+                continue
+            # Blocks of req's prompt that other computes and the cache does not hold yet (cached after each step)
+            gain = self.kv.num_shared_prefix_tokens(req, other) - num_hit_tokens
+            if gain > 0 and 2 * gain >= num_new:
+                return True
+        return False
 
     def _cap_prefill(self, num_new: int) -> int:
         threshold = self.config.long_prefill_token_threshold
