@@ -128,7 +128,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             args.api_key = envs.api_key()  # checked before the slow imports: a bad key fails at once
         from pagedserve.engine.arg_utils import EngineArgs
         from pagedserve.engine.async_engine import AsyncLLMEngine
-        from pagedserve.malloc import tune_for_serving
+        from pagedserve.malloc import freeze_startup_heap, tune_for_serving
         from pagedserve.server.app import run_server
 
         tune_for_serving()  # before the engine thread and the weights (pagedserve/malloc.py)
@@ -149,6 +149,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             from pagedserve.engine.warmup import warm_up
 
             warm_up(engine)
+        freeze_startup_heap()  # pagedserve/malloc.py
         log_memory(engine, config.cache.prefault_kv_cache, config.device.resolve())
         logger.info("serving at http://%s:%d  (OpenAI base_url http://%s:%d/v1)%s", args.host, args.port,
                     args.host, args.port, "; API key required" if args.api_key else "")
