@@ -33,6 +33,7 @@ class FakeServer:
         self.mode = "ok"
         self.num_finished = 0
         self.bodies: list[dict] = []
+        self.received: list[float] = []  # perf_counter() at each request's arrival
         self.timings: list[tuple[float, float, float]] = []
         self.in_flight = self.max_in_flight = 0
         self.hold_until, self.hold_timed_out = hold_until, False
@@ -78,6 +79,7 @@ class FakeServer:
     async def _complete(self, body: dict, chat: bool):
         received = time.perf_counter()
         self.bodies.append(body)
+        self.received.append(received)
         prompt = body["messages"][-1]["content"] if chat else body["prompt"]
         if self.mode == "http_error" or "fail" in prompt:
             return JSONResponse({"error": {"message": "boom", "type": "server_error", "code": 500}}, status_code=500)

@@ -1,5 +1,5 @@
 """benchmarks/real_models.py's workload runner against scripted servers: every server in one bench run, the
---goodput targets passed on, and --warm-requests sending the workload's shape with other words first."""
+--goodput targets passed on, --warm-requests sending the workload's shape with other words first, and --cooldown."""
 from __future__ import annotations
 
 import os
@@ -17,7 +17,8 @@ def test_shared_workload_warmed_then_measured(tmp_path, monkeypatch):
         "--num-prompts", "3", "--input-len", "4-8", "--output-len", "5", "--shared-prefix-len", "20",
         "--concurrency", "2"])
     a, b = FakeServer(ttft_s=0.01, itl_s=0.002), FakeServer(ttft_s=0.05, itl_s=0.002)
-    args = real_models.argparse.Namespace(goodput=["ttft:30", "tpot:100"], warm_requests=2, num_prompts=None)
+    args = real_models.argparse.Namespace(goodput=["ttft:30", "tpot:100"], warm_requests=2, num_prompts=None,
+                                          cooldown=0.5)
     try:
         report = real_models.run_workload("tiny_shared", [a.url, b.url], ["pagedserve", "vllm"], str(tmp_path),
                                           args)
@@ -37,6 +38,8 @@ def test_shared_workload_warmed_then_measured(tmp_path, monkeypatch):
         questions = [" ".join(p.split()[20:]) for p in warm + measured]
         assert len(set(questions)) == 5  # the warm ones have other words than the measured ones
     assert sorted(x["prompt"] for x in a.bodies) == sorted(x["prompt"] for x in b.bodies)  # the same workload
+    # --cooldown: each measured run starts after that many quiet seconds (the first after b's short warm-up)
+    assert all(srv.received[4] - srv.received[3] >= 0.5 for srv in (a, b))
 
 
 def test_per_byte_relative_to_q4_k_m():

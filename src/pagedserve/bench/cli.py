@@ -81,6 +81,9 @@ def add_bench_args(p: argparse.ArgumentParser, require_url: bool = True) -> None
                    help="arrival gaps drawn from a gamma distribution of shape B and the rate's mean (vLLM's "
                         "flag): 1 is Poisson, below 1 burstier, above 1 more regular")
     g.add_argument("--warmup", type=int, default=1, metavar="N", help="untimed requests per endpoint first")
+    g.add_argument("--cooldown", type=float, default=0.0, metavar="S",
+                   help="seconds of quiet before each measured run, so that work an endpoint (or another server on "
+                        "the machine) still does after the previous run ends is not counted against this one")
     g.add_argument("--timeout", type=float, default=600.0, metavar="S", help="per-read timeout")
     g = p.add_argument_group("sampling")
     g.add_argument("--temperature", type=float, default=0.0)

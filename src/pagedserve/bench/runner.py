@@ -119,6 +119,8 @@ async def run_measured(ep: Endpoint, requests: list[BenchRequest], sampling: dic
 
     from pagedserve.bench.metrics import compute_metrics
 
+    if args.cooldown > 0:
+        await asyncio.sleep(args.cooldown)
     bar = tqdm(total=len(requests), desc=desc, unit="req", file=sys.stderr, disable=args.no_progress,
                dynamic_ncols=True)
     try:
