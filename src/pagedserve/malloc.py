@@ -20,7 +20,8 @@ Elsewhere (musl, macOS) these are no-ops.
 Python's cyclic GC: once the model is loaded and warmed up, the server moves every object then alive (torch,
 transformers, the tokenizer, the model's modules: ~1-2 million) into the permanent generation (gc.freeze, as
 vLLM does), so a full collection no longer walks them. Before, full collections on the engine thread took 64-98 ms
-each, a stall of every running request (shared-prompt workload, 32 requests: 4 of them).
+each, a stall of every running request (3 of them in a server's start-up and 32 shared-prompt requests); after,
+3.3 ms.
 """
 from __future__ import annotations
 

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "gguf_blocks.h"
+#include "gguf_int8_gemv.h"
 
 namespace pagedserve::gguf::int8::gemv32 {
 
@@ -152,23 +153,12 @@ struct Args {
   void* y;
 };
 
-[[gnu::always_inline]] inline float hsum8(__m256 v) {
-  const __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 h2 = _mm_add_ps(h, _mm_movehl_ps(h, h));
-  return _mm_cvtss_f32(_mm_add_ss(h2, _mm_movehdup_ps(h2)));
-}
-
-// One weight row times the MR rows of x, a group at a time (for streamed_rows).
+// One weight row times the MR rows of x, a group at a time (for streamed_rows). gguf_int8_gemv.h's accumulators:
+// the offsets go in times 128 (exact: a power of two), so its sum, q minus the offsets, is this type's.
 template <int64_t T, int MR, typename Out>
 struct RowKernel {
+  using Acc = gemv::Acc<MR>;
   static constexpr int64_t kGroupBytes = T == kQ8_0 ? 8 * 34 : 136;
-  struct Acc {
-    __m512 q[MR];
-    __m256 off[MR];
-    Acc() {
-      for (int r = 0; r < MR; ++r) q[r] = _mm512_setzero_ps(), off[r] = _mm256_setzero_ps();
-    }
-  };
   const Args& a;
   [[gnu::always_inline]] void add(Acc& acc, int64_t n, int64_t g) const {
     const uint8_t* row = a.w + n * a.row_bytes;
@@ -187,14 +177,13 @@ struct RowKernel {
       const float dx = a.d[r * a.groups + g];
       const __m256i sum32 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.sums + (r * a.groups + g) * 8));
       acc.q[r] = _mm512_fmadd_ps(f, _mm512_set1_ps(dx), acc.q[r]);
-      acc.off[r] = _mm256_fmadd_ps(_mm256_mul_ps(u.scale8, _mm256_set1_ps(dx)), _mm256_cvtepi32_ps(sum32), acc.off[r]);
+      acc.off[r] =
+          _mm256_fmadd_ps(_mm256_mul_ps(u.scale8, _mm256_set1_ps(128.f * dx)), _mm256_cvtepi32_ps(sum32), acc.off[r]);
     }
   }
   [[gnu::always_inline]] void store(const Acc& acc, int64_t n) const {
     Out* y = static_cast<Out*>(a.y);
-    for (int r = 0; r < MR; ++r)
-      y[r * a.n + n] =
-          static_cast<Out>(_mm512_reduce_add_ps(acc.q[r]) - 128.f * hsum8(acc.off[r]) + (a.bias ? a.bias[n] : 0.f));
+    for (int r = 0; r < MR; ++r) y[r * a.n + n] = static_cast<Out>(acc.sum(r) + (a.bias ? a.bias[n] : 0.f));
   }
 };
 
