@@ -22,7 +22,7 @@ microseconds per call, the median over rounds that interleave the paths:
   int8 f32    gemm_gguf_int8 on float32 x (x quantized to int8 per call; every variant but baseline): what
               the dispatcher runs for Q4_K, Q5_K, Q6_K from 1 row (avx512, amx: 1-4 rows through the
               few-row kernel, csrc/gguf_int8_gemv.h) or 5 rows (avx2), for IQ4_XS from 1 row and Q8_0 at
-              1-2 rows (VNNI: csrc/gguf_int8_gemv32.h), unless PAGEDSERVE_GGUF_INT8=0
+              1-2 rows (VNNI: csrc/gguf_int8_gemv.h), unless PAGEDSERVE_GGUF_INT8=0
 --prefill (llama1b; rows 64,128,256,512,1024,2048 unless --rows): prompt-sized x in bf16, what `--dtype auto`
 runs on CPUs without AMX, the LM head left out (a prefill multiplies only its sampled rows):
   tiles bf16  bf16 tiles dequantized per call + torch's bf16 GEMM: the path PAGEDSERVE_GGUF_INT8=0 takes

@@ -178,7 +178,7 @@ def test_dispatcher_picks_int8(isa_name: str, monkeypatch) -> None:
             assert choice.int8_max_rows == (sys.maxsize if int8 else 0)
             # from 1 row where the variant has the few-row kernel (avx512, amx), else from INT8_MIN_ROWS
             few_rows = has_int8 and isa_name in ("avx512", "amx")
-            # Q8_0 and IQ4_XS (gguf_int8_gemv32.h) where the CPU has VNNI
+            # Q8_0 and IQ4_XS where the CPU has VNNI
             vnni = {8, 23} if ops.gguf_int8_types(True) else set()
             assert set(ops.gguf_int8_gemv_types()) == ({12, 13, 14} | vnni if few_rows else set())
             low = gguf_quant.INT8_GEMV_MIN_ROWS if few_rows else gguf_quant.INT8_MIN_ROWS
@@ -219,7 +219,7 @@ def test_int8_bad_input() -> None:
 
 @pytest.mark.parametrize("qtype", [T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0, T.IQ4_XS], ids=lambda t: t.name)
 def test_int8_few_rows_long_weight_rows(qtype, numerics) -> None:
-    # 1-4 rows of x take the few-row kernels (csrc/gguf_int8_gemv.h; Q8_0, IQ4_XS: gguf_int8_gemv32.h) where the
+    # 1-4 rows of x take the few-row kernels (csrc/gguf_int8_gemv.h; Q8_0, IQ4_XS with VNNI) where the
     # variant has them; rows of more than 4,096 inputs (here 4,352; Q8_0 4,384: a last group of one block) take
     # 3-4 rows of x in passes of 2; 37 weight rows (split between threads)
     ops = next((o for o in map(int8_ops, ISAS) if o is not None and int(qtype) in o.gguf_int8_gemv_types()), None)

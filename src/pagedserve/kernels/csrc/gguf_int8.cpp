@@ -3,13 +3,13 @@
 //       -> y [M, N] = x^ W^T (+ bias)
 //     x^: x quantized to int8 per 256 values (gguf_int8.h); y in x's dtype. vnni: None takes AVX512-VNNI where
 //     the CPU has it; False the dot products without it (vpmaddubsw + vpmaddwd); True requires VNNI.
-//     By default the rows of x pick the driver (1-4 rows gguf_int8_gemv*.h, 5-31 gguf_int8.h, 32+
+//     By default the rows of x pick the driver (1-4 rows gguf_int8_gemv.h, 5-31 gguf_int8.h, 32+
 //     gguf_int8_tiles.h), each adding a row's products in its own order; batch_invariant takes gguf_int8.h's
 //     driver at every M, so each row of y is bit for bit the same whatever the rows beside it.
 //   gguf_int8_types(vnni?) -> the GGML types gemm_gguf_int8 multiplies in this build on this CPU (empty:
 //     none), with the dot products `vnni` picks as above
 //   gguf_int8_gemv_types() -> the types whose 1-4 rows of x take a few-row kernel (avx512 / amx builds:
-//     gguf_int8_gemv.h's Q4_K, Q5_K, Q6_K, and on CPUs with VNNI gguf_int8_gemv32.h's Q8_0, IQ4_XS; else empty)
+//     gguf_int8_gemv.h's Q4_K, Q5_K, Q6_K, and on CPUs with VNNI Q8_0, IQ4_XS; else empty)
 // model/layers/gguf_quant.py's kernel_choice decides when it runs.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -25,7 +25,6 @@
 #include "gguf_int8_tiles.h"
 #if defined(PAGEDSERVE_GGUF_INT8_VNNI)
 #include "gguf_int8_gemv.h"
-#include "gguf_int8_gemv32.h"
 #endif
 #include "ops_library.h"
 
@@ -58,7 +57,7 @@ void run(const int8::Args& a, bool vnni, bool invariant) {
 }
 #endif
 
-// The types gemm_gguf_int8 runs through a few-row kernel (gguf_int8_gemv.h, gguf_int8_gemv32.h) for 1 to 4 rows of x.
+// The types gemm_gguf_int8 runs through the few-row kernel (gguf_int8_gemv.h) for 1 to 4 rows of x.
 std::vector<int64_t> gguf_int8_gemv_types() {
 #if defined(PAGEDSERVE_GGUF_INT8_VNNI)
   if (int8::cpu_has_vnni()) return {kQ4_K, kQ5_K, kQ6_K, kQ8_0, kIQ4_XS};
@@ -84,15 +83,11 @@ at::Tensor gemm_gguf_int8(const at::Tensor& x, const at::Tensor& w, int64_t type
   const bool use_vnni = vnni.value_or(has_vnni);
   const bool bf16 = x.scalar_type() == at::kBFloat16;
 #if defined(PAGEDSERVE_GGUF_INT8_VNNI)
-  if (!invariant && (int8::gemv::takes(type, m) || int8::gemv32::takes(type, m, use_vnni))) {
-    // single-stream decode: gguf_int8_gemv.h (k-quants), gguf_int8_gemv32.h (Q8_0, IQ4_XS)
+  if (!invariant && int8::gemv::takes(type, m, use_vnni)) {  // single-stream decode
     const float* xf = bf16 ? nullptr : x.data_ptr<float>();
     const c10::BFloat16* xb = bf16 ? x.data_ptr<c10::BFloat16>() : nullptr;
     const float* bp = bias32.defined() ? bias32.data_ptr<float>() : nullptr;
-    if (int8::gemv::takes(type, m))
-      int8::gemv::run(type, xf, xb, x.stride(0), m, k, w.data_ptr<uint8_t>(), n, w.size(1), bp, y.data_ptr(), use_vnni);
-    else
-      int8::gemv32::run(type, xf, xb, x.stride(0), m, k, w.data_ptr<uint8_t>(), n, w.size(1), bp, y.data_ptr());
+    int8::gemv::run(type, xf, xb, x.stride(0), m, k, w.data_ptr<uint8_t>(), n, w.size(1), bp, y.data_ptr(), use_vnni);
     return y;
   }
 #endif

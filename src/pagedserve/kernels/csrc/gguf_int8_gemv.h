@@ -1,23 +1,25 @@
-// gemm_gguf_int8 for 1 to kMaxRows rows of x (single-stream decode) on the k-quants, avx512 / amx builds.
+// gemm_gguf_int8 for 1 to kMaxRows rows of x (single-stream decode), avx512 / amx builds: the k-quants (Q4_K,
+// Q5_K, Q6_K) and, on CPUs with VNNI, Q8_0 (llama.cpp's q8_0 x q8_0 dot) and IQ4_XS.
 //
-// Decode reads every weight once per token, so a row of x must cost less vector work per weight byte than
-// the memory delivers (~18 GB/s per core here). gguf_int8.h's pass, built for up to 64 rows of x, spends more
-// than that at one row (its accumulators live in an L1 buffer, its quants are regrouped into x's order, its
-// offsets are float vectors per 16 weights): ~11 GB/s per core with the weights in L2, no faster than the
-// float gemm_gguf. Here, per 256 weights of a row:
-//   - x is quantized as gguf_int8.h does (the same int8 values and dx), but stored in the order the quants
-//     lie in the block, so the rebuild never moves bytes across lanes: Q4_K / Q5_K's 64-byte load of nibbles
-//     holds weights 0..31 and 64..95 (low nibbles) and 32..63 and 96..127 (high nibbles) of its 128, so each
-//     group of x is stored with its runs of 32 in the order 0 2 1 3 4 6 5 7; Q6_K's order is x's own;
-//   - the integer scales reach vpdpwssd as one vpermw each; the mins (Q4_K / Q5_K: dmin * min * sum of x per
-//     32) and Q6_K's offset (-32 * d * scale * sum of x per 16) are integer dot products of the scales with
-//     x's int16 sums per 16 (vpmaddwd), not float vectors;
-//   - every accumulator stays in a register: per row of x one float vector for d * dx * (quants . x) and one
-//     half vector for dmin * dx * (mins . sums), summed once per weight row;
+// Decode reads every weight once per token, so a row of x must cost less vector work per weight byte than the
+// memory delivers. gguf_int8.h's pass, built for up to 64 rows of x, spends more than that at one row. Here, per
+// group of 256 weights of a row:
+//   - x is quantized as gguf_int8.h does (the same int8 values and dx per 256), stored in the order the weights
+//     come out of a block, so the rebuild never moves bytes across lanes (run_at);
+//   - the weights go in as unsigned bytes, 4 products straight into int32 (vpdpbusd; vpmaddubsw + vpmaddwd
+//     without VNNI, where the quants are below 64 so pair sums fit int16): the k-quants' quants as they are
+//     (0..15, 0..31, 0..63), Q8_0's int8 quants xor 0x80, IQ4_XS's kIq4Values + 128 by one vpshufb;
+//   - each int32 lane times its 32's (Q6_K: 16's) float scale into a float vector per group, times dx into one
+//     accumulator per row of x;
+//   - the offset (Q4_K / Q5_K: dmin * min per 32; Q8_0, IQ4_XS: 128 * scale per 32; Q6_K: 32 * scale per 16)
+//     times the sum of x's quants over those 32 or 16 (kept with x as int32) goes into a second one;
 //   - each thread reads its contiguous run of weight rows as kStreams runs side by side (gguf_blocks.h),
 //     prefetching kAhead bytes ahead of its reads;
 //   - rows of x of more than kLongRow inputs go 2 per pass over the weights (see gemm).
-// The sums are the same integers as gguf_int8.h's, so the results equal its own up to float32 rounding.
+// Against an integer sum per group times its scales (this file's first form), the float scale per 32 read the
+// cold weights of Llama-1B's shapes 1.2x faster on a Xeon core (Q4_K 12.4 -> 15.5 GB/s, one thread), at the
+// same speed with the weights in cache. The integers are gguf_int8.h's, so results equal its own up to
+// float32 rounding.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -38,137 +40,213 @@ constexpr int64_t kMaxRows = 4, kLongRow = 4096;
 // ahead on the EPYC, and from 0 to 16 KB ahead on the Xeon (one run or 4 side by side).
 constexpr int64_t kAhead = 2048;
 
-inline bool takes(int64_t type, int64_t m) {
-  return m >= 1 && m <= kMaxRows && (type == kQ4_K || type == kQ5_K || type == kQ6_K);
+// The k-quants' quants are below 64, so vpmaddubsw's pair sums fit int16: no VNNI needed.
+inline bool takes(int64_t type, int64_t m, bool vnni) {
+  const bool k_quant = type == kQ4_K || type == kQ5_K || type == kQ6_K;
+  return m >= 1 && m <= kMaxRows && (k_quant || (vnni && (type == kQ8_0 || type == kIQ4_XS)));
 }
 
-// x quantized in the blocks' order: per row kpad int8 quants, per group of 256 its dx and 16 int16 sums of its
-// runs of 16 (in x's own order).
-struct X {
-  const int8_t* q;
-  const float* d;
-  const int16_t* sums;
-  int64_t kpad, groups;
-};
-
-// Position of x's run of 32 number c (of a group's 8) in the blocks' order: Q4_K / Q5_K swap the middle two
-// of each half.
+// Sums of x's quants kept per group: per 16 for Q6_K (its scales' runs), else per 32.
 template <int64_t T>
-constexpr int run_at(int c) {
-  return T == kQ6_K ? c : (c & 4) | ((c & 1) << 1) | ((c >> 1) & 1);
+constexpr int kSums = T == kQ6_K ? 16 : 8;
+
+// Where x's run of 16 number j (of a group's 16) is stored within its group. Q4_K / Q5_K: a 64-byte load of
+// nibbles holds weights 0..31 and 64..95 (low nibbles) and 32..63 and 96..127 (high nibbles) of its 128, so the
+// runs of 32 go in the order 0 2 1 3 4 6 5 7. IQ4_XS: a 64-byte load holds sub-blocks 4h..4h+3 (one per 128-bit
+// lane), low nibbles their weights 0..15, high nibbles 16..31. Q8_0, Q6_K: x's own order.
+template <int64_t T>
+constexpr int64_t run_at(int j) {
+  if constexpr (T == kQ4_K || T == kQ5_K) {
+    const int c = j / 2;
+    return 32 * ((c & 4) | ((c & 1) << 1) | ((c >> 1) & 1)) + 16 * (j % 2);
+  }
+  return T == kIQ4_XS ? 64 * (2 * (j / 8) + j % 2) + 16 * ((j / 2) % 4) : 16 * j;
 }
 
-// One row of k float32 values (k a multiple of 256) into q, d, sums: the same quants as quantize_row.
+// One row of k float32 values (k a multiple of 32) into int8 quants q, per group its dx and the sums of its
+// quants per 256 / kSums in x's order (sums): the same quants as quantize_row.
 template <int64_t T>
-inline void quantize(const float* x, int64_t k, int8_t* q, float* d, int16_t* sums) {
+inline void quantize(const float* x, int64_t k, int8_t* q, float* d, int32_t* sums) {
+  constexpr int per = 16 / kSums<T>;  // runs of 16 per sum
   for (int64_t g = 0; g * kGroup < k; ++g) {
     const float* xg = x + g * kGroup;
-    const float top = abs_max(xg, kGroup);
+    const int64_t len = std::min(kGroup, k - g * kGroup);
+    const float top = abs_max(xg, len);
     const float inv = top > 0.f ? 127.f / top : 0.f;  // as quantize_row
     d[g] = top / 127.f;
-    for (int j = 0; j < 16; ++j)
-      sums[g * 16 + j] = static_cast<int16_t>(
-          quantize16(xg + 16 * j, inv, q + g * kGroup + 32 * run_at<T>(j / 2) + 16 * (j % 2)));
+    for (int j = 0; j < 16; ++j) {
+      int8_t* at = q + g * kGroup + run_at<T>(j);
+      const int32_t sum = 16 * j < len ? quantize16(xg + 16 * j, inv, at) : 0;
+      if (16 * j >= len) std::memset(at, 0, 16);
+      int32_t& s = sums[kSums<T> * g + j / per];
+      s = (j % per ? s : 0) + sum;
+    }
   }
 }
 
-// The weights of one block rebuilt: quants as unsigned bytes in the order x is stored, each int16 lane's
-// scale, the scales or mins as int16 per 16 values of x (for vpmaddwd with x's sums), d and dmin.
-struct Block {
-  __m512i q[4], sc[4];
-  __m256i offset16;
-  float d, dmin;
+// A group of 256 weights rebuilt: nv vectors of 64 unsigned bytes and each int32 lane's scale, and what
+// multiplies each sum of x's quants (subtracted): offset8 per 32, or offset16 per 16 (Q6_K).
+struct Group {
+  __m512i q[4];
+  __m512 scale[4];
+  __m256 offset8;
+  __m512 offset16;
+  int nv;
 };
 
-// idx[v]: int16 lane l of quant vector v takes scale idx (a pair of weights in a run of 32 or 16)
-template <int64_t T>
-inline const __m512i* scale_indices() {
-  static const __m512i* idx = [] {
-    static __m512i out[4];
-    for (int v = 0; v < 4; ++v) {
-      alignas(64) int16_t lane[32];
-      for (int l = 0; l < 32; ++l) {
-        if (T == kQ6_K) {
-          lane[l] = static_cast<int16_t>((64 * v + 2 * l) / 16);
-        } else {  // vector v = 2h + hi holds runs 4h + hi (lanes 0..15) and 4h + 2 + hi (16..31)
-          lane[l] = static_cast<int16_t>(4 * (v / 2) + (v % 2) + (l >= 16 ? 2 : 0));
-        }
-      }
-      out[v] = _mm512_load_si512(lane);
-    }
-    return out;
-  }();
-  return idx;
+// Q8_0's 8 blocks of 32 at b (a whole group): their d as floats, from two vpermt2w over the 272 bytes.
+[[gnu::always_inline]] inline __m256 q8_0_scales(const uint8_t* b) {
+  alignas(64) static constexpr int16_t kAt[32] = {0, 17, 34, 51};  // int16 index of blocks 0..3's d (34 B apart)
+  const __m512i idx = _mm512_load_si512(kAt);
+  const __m512i lo = _mm512_permutex2var_epi16(_mm512_loadu_si512(b), idx, _mm512_loadu_si512(b + 64));
+  const __m512i hi = _mm512_permutex2var_epi16(_mm512_loadu_si512(b + 136), idx, _mm512_loadu_si512(b + 200));
+  return _mm256_cvtph_ps(_mm_unpacklo_epi64(_mm512_castsi512_si128(lo), _mm512_castsi512_si128(hi)));
 }
 
+// lanes 0..7 scale a, 8..15 scale b (float vector of 8 values, picked by index)
+[[gnu::always_inline]] inline __m512 spread(__m256 s8, int a, int b) {
+  return _mm512_permutexvar_ps(_mm512_inserti64x4(_mm512_set1_epi32(a), _mm256_set1_epi32(b), 1),
+                               _mm512_castps256_ps512(s8));
+}
+
+// Q8_0: blocks 8g .. of a row of nb blocks (fewer than 8 in a row's last group: the rest zero).
+[[gnu::always_inline]] inline void rebuild_q8_0(const uint8_t* row, int64_t g, int64_t nb, Group& u) {
+  constexpr int64_t B = 34;
+  const uint8_t* b = row + 8 * g * B;
+  const int64_t blocks = std::min<int64_t>(8, nb - 8 * g);
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  u.nv = static_cast<int>((blocks + 1) / 2);
+  if (blocks == 8) {
+    const __m256 d = q8_0_scales(b);
+    u.offset8 = _mm256_mul_ps(d, _mm256_set1_ps(128.f));
+    for (int v = 0; v < 4; ++v) {
+      const uint8_t* p = b + 2 * v * B + 2;
+      u.q[v] = _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(
+                                    reinterpret_cast<const __m256i*>(p))), _mm256_loadu_si256(
+                                    reinterpret_cast<const __m256i*>(p + B)), 1), flip);
+      u.scale[v] = spread(d, 2 * v, 2 * v + 1);
+    }
+    return;
+  }
+  for (int v = 0; v < u.nv; ++v) {
+    const uint8_t* p = b + 2 * v * B;
+    const bool pair = 2 * v + 1 < blocks;
+    const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 2));
+    const __m256i hi = pair ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + B + 2)) : _mm256_set1_epi8(-128);
+    u.q[v] = _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1), flip);
+    u.scale[v] = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(f16(p)), _mm512_set1_ps(pair ? f16(p + B) : 0.f));
+  }
+  alignas(32) float d[8] = {};
+  for (int j = 0; j < blocks; ++j) d[j] = f16(b + j * B);
+  u.offset8 = _mm256_mul_ps(_mm256_load_ps(d), _mm256_set1_ps(128.f));
+}
+
+// IQ4_XS: block g (136 bytes).
+[[gnu::always_inline]] inline void rebuild_iq4_xs(const uint8_t* row, int64_t g, Group& u) {
+  const uint8_t* b = row + g * 136;
+  const __m512i table = _mm512_broadcast_i32x4(_mm_setr_epi8(
+      1, 24, 45, 63, 79, 93, 106, 118, static_cast<char>(129), static_cast<char>(141), static_cast<char>(153),
+      static_cast<char>(166), static_cast<char>(181), static_cast<char>(197), static_cast<char>(217),
+      static_cast<char>(241)));  // kIq4Values + 128
+  // sub-block j's scale: 4 low bits at bit 4 j of scales_l, 2 high bits at bit 2 j of scales_h
+  const __m256i low = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(u32(b + 4))),
+                                                         _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)),
+                                       _mm256_set1_epi32(15));
+  const __m256i high = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(b[2] | (b[3] << 8)),
+                                                          _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14)),
+                                        _mm256_set1_epi32(3));
+  const __m256i scales = _mm256_sub_epi32(_mm256_or_si256(low, _mm256_slli_epi32(high, 4)), _mm256_set1_epi32(32));
+  const __m256 s8 = _mm256_mul_ps(_mm256_cvtepi32_ps(scales), _mm256_set1_ps(f16(b)));
+  u.offset8 = _mm256_mul_ps(s8, _mm256_set1_ps(128.f));
+  const __m512i low4 = _mm512_set1_epi8(15);
+  u.nv = 4;
+  for (int h = 0; h < 2; ++h) {
+    const __m512i bytes = _mm512_loadu_si512(b + 8 + 64 * h);
+    u.q[2 * h] = _mm512_shuffle_epi8(table, _mm512_and_si512(bytes, low4));
+    u.q[2 * h + 1] = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low4));
+    // 128-bit lane i: sub-block 4h + i
+    u.scale[2 * h] = u.scale[2 * h + 1] = _mm512_permutexvar_ps(
+        _mm512_setr_epi32(4 * h, 4 * h, 4 * h, 4 * h, 4 * h + 1, 4 * h + 1, 4 * h + 1, 4 * h + 1, 4 * h + 2,
+                          4 * h + 2, 4 * h + 2, 4 * h + 2, 4 * h + 3, 4 * h + 3, 4 * h + 3, 4 * h + 3),
+        _mm512_castps256_ps512(s8));
+  }
+}
+
+// Q4_K / Q5_K: block g. A 64-byte load of nibbles holds runs 4h (low nibbles of bytes 0..31), 4h + 2 (low,
+// 32..63), 4h + 1 and 4h + 3 (high nibbles); Q5_K adds each weight's fifth bit (16) from qh.
 template <int64_t T>
-[[gnu::always_inline]] inline void rebuild(const uint8_t* b, const __m512i* idx, Block& u) {
-  if constexpr (T == kQ4_K || T == kQ5_K) {
-    const __m128i sm = k4_scales_mins(b);  // bytes 0..7: the runs' scales, 8..15: their mins
-    const __m512i sc16 = _mm512_castsi256_si512(_mm256_cvtepu8_epi16(sm));
-    for (int v = 0; v < 4; ++v) u.sc[v] = _mm512_permutexvar_epi16(idx[v], sc16);
-    // min of run c for x's sums 2c and 2c + 1
-    u.offset16 = _mm256_cvtepu8_epi16(
-        _mm_shuffle_epi8(sm, _mm_setr_epi8(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15)));
-    const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(u32(b))));
-    u.d = _mm_cvtss_f32(dm), u.dmin = _mm_cvtss_f32(_mm_movehdup_ps(dm));
-    const uint8_t* qs = b + (T == kQ5_K ? 48 : 16);
-    const __m512i low4 = _mm512_set1_epi8(15);
-    for (int h = 0; h < 2; ++h) {
-      const __m512i bytes = _mm512_loadu_si512(qs + 64 * h);
-      u.q[2 * h] = _mm512_and_si512(bytes, low4);
-      u.q[2 * h + 1] = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low4);
-    }
-    if constexpr (T == kQ5_K) {
-      // the fifth bit of weight 64 c + l is bit 2 c of qh[l], of weight 64 c + 32 + l bit 2 c + 1; vector
-      // 2h + hi holds weights 128 h + 32 hi + l (bit 4h + hi) and 128 h + 64 + 32 hi + l (bit 4h + 2 + hi)
-      const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16)));
-      const __m512i sixteen = _mm512_set1_epi8(16);
-      for (int v = 0; v < 4; ++v) {
-        const int bit = 4 * (v / 2) + (v % 2);
-        const __m512i mask = _mm512_inserti64x4(_mm512_set1_epi8(static_cast<char>(1 << bit)),
-                                                _mm256_set1_epi8(static_cast<char>(1 << (bit + 2))), 1);
-        u.q[v] = _mm512_mask_add_epi8(u.q[v], _mm512_test_epi8_mask(qh, mask), u.q[v], sixteen);
-      }
-    }
-  } else {  // Q6_K
-    const __m128i sc8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192));
-    const __m256i sc16 = _mm256_cvtepi8_epi16(sc8);
-    for (int v = 0; v < 4; ++v) u.sc[v] = _mm512_permutexvar_epi16(idx[v], _mm512_castsi256_si512(sc16));
-    u.offset16 = sc16;
-    u.d = f16(b + 208), u.dmin = 0.f;
-    // weights 128 c + 0..63: low nibbles of ql[64 c ..], high bits (qh[32 c + l] >> 0 / 2) & 3; weights
-    // 128 c + 64..127: high nibbles, high bits >> 4 / 6; the high bits land on bits 4..5 (mask 0x30)
-    const __m512i low4 = _mm512_set1_epi8(15), bits45 = _mm512_set1_epi8(0x30);
-    const __m512i shl = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
-    const __m512i shr = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
-    for (int c = 0; c < 2; ++c) {
-      const __m512i ql = _mm512_loadu_si512(b + 64 * c);
-      const __m512i qh =
-          _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * c)));
-      // a | (b & c): 0xF8
-      u.q[2 * c] = _mm512_ternarylogic_epi32(_mm512_and_si512(ql, low4), _mm512_sllv_epi16(qh, shl), bits45, 0xF8);
-      u.q[2 * c + 1] = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(ql, 4), low4),
-                                                 _mm512_srlv_epi16(qh, shr), bits45, 0xF8);
+[[gnu::always_inline]] inline void rebuild_k4(const uint8_t* row, int64_t g, Group& u) {
+  const uint8_t* b = row + g * Format<T>::kBytes;
+  const __m128i sm = k4_scales_mins(b);  // bytes 0..7: the runs' scales, 8..15: their mins
+  const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(u32(b))));
+  const __m256 s8 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sm)), _mm256_broadcastss_ps(dm));
+  u.offset8 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8))),
+                            _mm256_broadcastss_ps(_mm_movehdup_ps(dm)));
+  const uint8_t* qs = b + (T == kQ5_K ? 48 : 16);
+  const __m512i low4 = _mm512_set1_epi8(15);
+  u.nv = 4;
+  for (int h = 0; h < 2; ++h) {
+    const __m512i bytes = _mm512_loadu_si512(qs + 64 * h);
+    u.q[2 * h] = _mm512_and_si512(bytes, low4);
+    u.q[2 * h + 1] = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low4);
+    u.scale[2 * h] = spread(s8, 4 * h, 4 * h + 2);
+    u.scale[2 * h + 1] = spread(s8, 4 * h + 1, 4 * h + 3);
+  }
+  if constexpr (T == kQ5_K) {
+    // the fifth bit of weight 64 c + l is bit 2 c of qh[l], of weight 64 c + 32 + l bit 2 c + 1; vector
+    // 2h + hi holds weights 128 h + 32 hi + l (bit 4h + hi) and 128 h + 64 + 32 hi + l (bit 4h + 2 + hi)
+    const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16)));
+    const __m512i sixteen = _mm512_set1_epi8(16);
+    for (int v = 0; v < 4; ++v) {
+      const int bit = 4 * (v / 2) + (v % 2);
+      const __m512i mask = _mm512_inserti64x4(_mm512_set1_epi8(static_cast<char>(1 << bit)),
+                                              _mm256_set1_epi8(static_cast<char>(1 << (bit + 2))), 1);
+      u.q[v] = _mm512_mask_add_epi8(u.q[v], _mm512_test_epi8_mask(qh, mask), u.q[v], sixteen);
     }
   }
+}
+
+// Q6_K: block g (210 bytes), quants 0..63 in x's order; weights 128 c + 0..63: low nibbles of ql[64 c ..], high
+// bits (qh[32 c + l] >> 0 / 2) & 3; weights 128 c + 64..127: high nibbles, high bits >> 4 / 6.
+[[gnu::always_inline]] inline void rebuild_q6_k(const uint8_t* row, int64_t g, Group& u) {
+  const uint8_t* b = row + g * 210;
+  const __m512 s16 = _mm512_mul_ps(
+      _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)))),
+      _mm512_set1_ps(f16(b + 208)));
+  u.offset16 = _mm512_mul_ps(s16, _mm512_set1_ps(32.f));
+  const __m512i low4 = _mm512_set1_epi8(15), bits45 = _mm512_set1_epi8(0x30);
+  const __m512i shl = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
+  const __m512i shr = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
+  u.nv = 4;
+  for (int c = 0; c < 2; ++c) {
+    const __m512i ql = _mm512_loadu_si512(b + 64 * c);
+    const __m512i qh =
+        _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * c)));
+    // a | (b & c): 0xF8; the high bits land on bits 4..5
+    u.q[2 * c] = _mm512_ternarylogic_epi32(_mm512_and_si512(ql, low4), _mm512_sllv_epi16(qh, shl), bits45, 0xF8);
+    u.q[2 * c + 1] = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(ql, 4), low4),
+                                               _mm512_srlv_epi16(qh, shr), bits45, 0xF8);
+  }
+  // vector v: runs of 16 number 4v..4v + 3, one per 4 int32 lanes
+  for (int v = 0; v < 4; ++v)
+    u.scale[v] = _mm512_permutexvar_ps(
+        _mm512_srli_epi32(_mm512_add_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                           _mm512_set1_epi32(16 * v)), 2), s16);
 }
 
 struct Args {
-  X x;
-  int64_t m, k;
+  const int8_t* q;      // [m, stride]
+  const int32_t* sums;  // [m, groups * kSums]
+  const float* d;       // [m, groups]
+  int64_t stride, groups, m, k;
   const uint8_t* w;
   int64_t n, row_bytes;
   const float* bias;
   void* y;
 };
 
-inline void prefetch_block(const uint8_t* p, int64_t bytes) {
-  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(reinterpret_cast<const char*>(p + off), _MM_HINT_T0);
-}
-
-// Accumulators of one weight row times MR rows of x: d * dx * (quants . x) in float lanes, and (Q4_K / Q5_K)
-// dmin * dx * (mins . sums) in half as many.
+// Accumulators of one weight row times MR rows of x: dx * (scales . quant products) in float lanes, and the
+// offsets per 32 in half as many (subtracted when summed).
 template <int MR>
 struct Acc {
   __m512 q[MR];
@@ -183,39 +261,39 @@ struct Acc {
   }
 };
 
-// acc += block g of the weight row at `row` times the MR rows of x.
-template <int64_t T, class Dot, int MR>
-[[gnu::always_inline]] inline void add_block(const Args& a, const uint8_t* row, int64_t g, const __m512i* idx,
-                                             Acc<MR>& acc) {
-  constexpr int64_t B = Format<T>::kBytes;
-  const uint8_t* b = row + g * B;
-  prefetch_block(b + kAhead, B);
-  Block u;
-  rebuild<T>(b, idx, u);
-  for (int r = 0; r < MR; ++r) {
-    const int8_t* xq = a.x.q + r * a.x.kpad + g * kGroup;
-    __m512i s = _mm512_setzero_si512();
-    for (int v = 0; v < 4; ++v) s = Dot::dot(s, u.q[v], _mm512_loadu_si512(xq + 64 * v), u.sc[v]);
-    const __m256i off = _mm256_madd_epi16(
-        u.offset16, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.x.sums + (r * a.x.groups + g) * 16)));
-    const float dx = a.x.d[r * a.x.groups + g];
-    if constexpr (T == kQ6_K) {  // q - 32: the same d
-      s = _mm512_sub_epi32(s, _mm512_zextsi256_si512(_mm256_slli_epi32(off, 5)));
-    } else {
-      acc.off[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(off), _mm256_set1_ps(u.dmin * dx), acc.off[r]);
-    }
-    acc.q[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_set1_ps(u.d * dx), acc.q[r]);
-  }
-}
-
-// One weight row times the MR rows of x, a block at a time (for streamed_rows).
+// One weight row times the MR rows of x, a group at a time (for streamed_rows).
 template <int64_t T, class Dot, int MR, typename Out>
 struct RowKernel {
   using Acc = gemv::Acc<MR>;
+  static constexpr int64_t kGroupBytes = T == kQ8_0 ? 8 * 34 : Format<T>::kBytes;
   const Args& a;
-  const __m512i* idx;
   [[gnu::always_inline]] void add(Acc& acc, int64_t n, int64_t g) const {
-    add_block<T, Dot, MR>(a, a.w + n * a.row_bytes, g, idx, acc);
+    const uint8_t* row = a.w + n * a.row_bytes;
+    for (int64_t off = 0; off < kGroupBytes; off += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(row + g * kGroupBytes + kAhead + off), _MM_HINT_T0);
+    Group u;
+    if constexpr (T == kQ8_0) rebuild_q8_0(row, g, a.k / 32, u);
+    else if constexpr (T == kIQ4_XS) rebuild_iq4_xs(row, g, u);
+    else if constexpr (T == kQ6_K) rebuild_q6_k(row, g, u);
+    else rebuild_k4<T>(row, g, u);
+    for (int r = 0; r < MR; ++r) {
+      const int8_t* xq = a.q + r * a.stride + g * kGroup;
+      __m512 f = _mm512_setzero_ps();
+      for (int v = 0; v < u.nv; ++v) {
+        const __m512i s = Dot::dot4(u.q[v], _mm512_loadu_si512(xq + 64 * v));
+        f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), u.scale[v], f);
+      }
+      const float dx = a.d[r * a.groups + g];
+      const int32_t* sums = a.sums + (r * a.groups + g) * kSums<T>;
+      if constexpr (T == kQ6_K) {  // q - 32 per 16: into the same lanes
+        f = _mm512_fnmadd_ps(u.offset16, _mm512_cvtepi32_ps(_mm512_loadu_si512(sums)), f);
+      } else {
+        const __m256i sum32 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sums));
+        acc.off[r] =
+            _mm256_fmadd_ps(_mm256_mul_ps(u.offset8, _mm256_set1_ps(dx)), _mm256_cvtepi32_ps(sum32), acc.off[r]);
+      }
+      acc.q[r] = _mm512_fmadd_ps(f, _mm512_set1_ps(dx), acc.q[r]);
+    }
   }
   [[gnu::always_inline]] void store(const Acc& acc, int64_t n) const {
     Out* y = static_cast<Out*>(a.y);
@@ -223,25 +301,19 @@ struct RowKernel {
   }
 };
 
-// Weight rows n0 .. n1 - 1 times the MR rows of x.
-template <int64_t T, class Dot, int MR, typename Out>
-[[gnu::always_inline]] inline void rows(const Args& a, int64_t n0, int64_t n1) {
-  streamed_rows(RowKernel<T, Dot, MR, Out>{a, scale_indices<T>()}, n0, n1, a.k / kGroup);
-}
-
 template <int64_t T, class Dot, typename Out>
 [[gnu::always_inline]] inline void rows_any(const Args& a, int64_t n0, int64_t n1) {
   switch (a.m) {
-    case 1: return rows<T, Dot, 1, Out>(a, n0, n1);
-    case 2: return rows<T, Dot, 2, Out>(a, n0, n1);
-    case 3: return rows<T, Dot, 3, Out>(a, n0, n1);
-    default: return rows<T, Dot, 4, Out>(a, n0, n1);
+    case 1: return streamed_rows(RowKernel<T, Dot, 1, Out>{a}, n0, n1, a.groups);
+    case 2: return streamed_rows(RowKernel<T, Dot, 2, Out>{a}, n0, n1, a.groups);
+    case 3: return streamed_rows(RowKernel<T, Dot, 3, Out>{a}, n0, n1, a.groups);
+    default: return streamed_rows(RowKernel<T, Dot, 4, Out>{a}, n0, n1, a.groups);
   }
 }
 
 template <int64_t T, typename Out>
 [[gnu::noinline]] void rows_plain(const Args& a, int64_t n0, int64_t n1) {
-  rows_any<T, DotPlain, Out>(a, n0, n1);
+  if constexpr (T == kQ4_K || T == kQ5_K || T == kQ6_K) rows_any<T, DotPlain, Out>(a, n0, n1);
 }
 
 template <int64_t T, typename Out>
@@ -249,32 +321,32 @@ template <int64_t T, typename Out>
   rows_any<T, DotVnni, Out>(a, n0, n1);
 }
 
-// y [m, n] (float or bf16 as Out) = x^ W^T (+ bias) for m <= kMaxRows rows of x (float32, rows at x_stride; or
+// y [m, n] (float or bf16 as Out) = x^ W^T (+ bias) for m <= kMaxRows rows of x (float32 rows at x_stride, or
 // bf16 when xb is given).
 template <int64_t T, typename Out>
 void gemm(const float* x, const c10::BFloat16* xb, int64_t x_stride, int64_t m, int64_t k, const uint8_t* w,
           int64_t n, int64_t row_bytes, const float* bias, void* y, bool vnni) {
-  const int64_t groups = k / kGroup;
+  const int64_t groups = (k + kGroup - 1) / kGroup;
   // rows of x 64 bytes further apart than k: at k = 8192 rows a multiple of 4 KB apart made 3-4 rows 2-3x slower
-  const int64_t stride = k + 64;
+  const int64_t stride = groups * kGroup + 64;
   std::vector<int8_t> q(m * stride + 64);
   int8_t* qp = reinterpret_cast<int8_t*>((reinterpret_cast<uintptr_t>(q.data()) + 63) & ~uintptr_t{63});
+  std::vector<int32_t> sums(m * groups * kSums<T>);
   std::vector<float> d(m * groups), widened(xb ? k : 0);
-  std::vector<int16_t> sums(m * groups * 16);
   for (int64_t r = 0; r < m; ++r) {
     const float* row = x + r * x_stride;
     if (xb) {
       for (int64_t j = 0; j < k; ++j) widened[j] = static_cast<float>(xb[r * x_stride + j]);
       row = widened.data();
     }
-    quantize<T>(row, k, qp + r * stride, d.data() + r * groups, sums.data() + r * groups * 16);
+    quantize<T>(row, k, qp + r * stride, d.data() + r * groups, sums.data() + r * groups * kSums<T>);
   }
   // Rows of more than kLongRow inputs take at most 2 rows of x per pass over the weights: with cold weights 3-4
   // rows of x of 8,192 inputs ran at a third of the GB/s of 2 (with the weights in L2 they do not slow down),
   // and two passes cost less than one.
   const int64_t per_pass = k > kLongRow ? 2 : m;
   for (int64_t m0 = 0; m0 < m; m0 += per_pass) {
-    const Args a{{qp + m0 * stride, d.data() + m0 * groups, sums.data() + m0 * groups * 16, stride, groups},
+    const Args a{qp + m0 * stride, sums.data() + m0 * groups * kSums<T>, d.data() + m0 * groups, stride, groups,
                  std::min(per_pass, m - m0), k, w, n, row_bytes, bias, static_cast<Out*>(y) + m0 * n};
     // threads take contiguous runs of weight rows (at least 16 rows each)
     at::parallel_for(0, n, 16, [&](int64_t n0, int64_t n1) {
@@ -284,15 +356,21 @@ void gemm(const float* x, const c10::BFloat16* xb, int64_t x_stride, int64_t m, 
   }
 }
 
+template <int64_t T>
+void gemm_any(const float* x, const c10::BFloat16* xb, int64_t x_stride, int64_t m, int64_t k, const uint8_t* w,
+              int64_t n, int64_t row_bytes, const float* bias, void* y, bool vnni) {
+  if (xb) gemm<T, c10::BFloat16>(x, xb, x_stride, m, k, w, n, row_bytes, bias, y, vnni);
+  else gemm<T, float>(x, xb, x_stride, m, k, w, n, row_bytes, bias, y, vnni);
+}
+
 inline void run(int64_t type, const float* x, const c10::BFloat16* xb, int64_t x_stride, int64_t m, int64_t k,
                 const uint8_t* w, int64_t n, int64_t row_bytes, const float* bias, void* y, bool vnni) {
   switch (type) {
-    case kQ4_K: return xb ? gemm<kQ4_K, c10::BFloat16>(x, xb, x_stride, m, k, w, n, row_bytes, bias, y, vnni)
-                          : gemm<kQ4_K, float>(x, xb, x_stride, m, k, w, n, row_bytes, bias, y, vnni);
-    case kQ5_K: return xb ? gemm<kQ5_K, c10::BFloat16>(x, xb, x_stride, m, k, w, n, row_bytes, bias, y, vnni)
-                          : gemm<kQ5_K, float>(x, xb, x_stride, m, k, w, n, row_bytes, bias, y, vnni);
-    case kQ6_K: return xb ? gemm<kQ6_K, c10::BFloat16>(x, xb, x_stride, m, k, w, n, row_bytes, bias, y, vnni)
-                          : gemm<kQ6_K, float>(x, xb, x_stride, m, k, w, n, row_bytes, bias, y, vnni);
+    case kQ4_K: return gemm_any<kQ4_K>(x, xb, x_stride, m, k, w, n, row_bytes, bias, y, vnni);
+    case kQ5_K: return gemm_any<kQ5_K>(x, xb, x_stride, m, k, w, n, row_bytes, bias, y, vnni);
+    case kQ6_K: return gemm_any<kQ6_K>(x, xb, x_stride, m, k, w, n, row_bytes, bias, y, vnni);
+    case kQ8_0: return gemm_any<kQ8_0>(x, xb, x_stride, m, k, w, n, row_bytes, bias, y, vnni);
+    case kIQ4_XS: return gemm_any<kIQ4_XS>(x, xb, x_stride, m, k, w, n, row_bytes, bias, y, vnni);
     default: TORCH_CHECK(false, "gemm_gguf_int8: no few-row kernel for GGML type ", type);
   }
 }

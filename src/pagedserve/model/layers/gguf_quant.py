@@ -29,7 +29,7 @@ csrc/gguf_int8_tiles.h), as llama.cpp does; results differ from the float kernel
 sum |w| * dx / 2 per output). Where the variant also has the few-row int8 kernel for every type of the weight
 (avx512, amx: csrc/gguf_int8_gemv.h, gguf_int8_gemv_types()), int8 starts at 1 row (single-stream decode).
 Q5_0 / Q5_1 weights take it for INT8_Q5_ROWS rows on avx512 / amx, IQ4_XS from 1 row and Q8_0 for INT8_Q8_ROWS
-(avx512 / amx on CPUs with VNNI: csrc/gguf_int8_gemv32.h at 1-4 rows); a weight of several types takes it for
+(avx512 / amx on CPUs with VNNI: csrc/gguf_int8_gemv.h at 1-4 rows); a weight of several types takes it for
 the rows where all of them do. PAGEDSERVE_GGUF_INT8=0 keeps the float kernels.
 
 From BF16_MIN_ROWS rows of x (prefill; BF16_MIN_ROWS_AMX on CPUs with AMX), weights whose every type is in
@@ -102,14 +102,14 @@ INT8_Q5_TYPES = (6, 7)
 INT8_Q5_ROWS = (8, 64)
 # IQ4_XS (kIq4Values looked up by vpshufb, offset by 128: VNNI only, so avx512 / amx on CPUs with avx512_vnni)
 # takes gemm_gguf_int8 from 1 row on (from INT8_IQ4_MIN_ROWS without the few-row kernel): 1-4 rows through
-# csrc/gguf_int8_gemv32.h, 5-31 gguf_int8.h's driver, 32+ the register tiles (csrc/gguf_int8_tiles.h), no upper
+# csrc/gguf_int8_gemv.h, 5-31 gguf_int8.h's driver, 32+ the register tiles (csrc/gguf_int8_tiles.h), no upper
 # bound (as the k-quants). Llama-1B shapes, weights cold, 1 thread, CPU time per call, 2-core EPYC at load 12-13
 # (the process got a quarter of a core: ratios only; benchmarks/gguf_gemv.py --model llama1b --types IQ4_XS):
 # int8 over gemm_gguf 1.2-2.4x at 1-4 rows, 0.8-1.4x at 5-7, 1.2-1.4x at 8; over dequantized bf16 tiles
 # (--prefill) 1.5-4.3x at 256 rows, 1.1-2.3x at 512, 0.87x (q/o_proj) to 2.1x at 1024.
 INT8_IQ4_TYPES = (23,)
 INT8_IQ4_MIN_ROWS = 8
-# Q8_0 at 1-2 rows through the same few-row kernel (gguf_int8_gemv32.h: llama.cpp's q8_0 x q8_0 dot; avx512 /
+# Q8_0 at 1-2 rows through the same few-row kernel (gguf_int8_gemv.h: llama.cpp's q8_0 x q8_0 dot; avx512 /
 # amx on CPUs with VNNI): same measurements, int8 over gemm_gguf at 1 row 0.8-1.5x (median 1.15, 5 shapes x
 # 2 runs), 2 rows median 1.06, 4 rows median 0.98 (down_proj 0.5: its 8,192 inputs take 2 rows per pass); more
 # rows keep the float kernels (gguf_int8.h's driver mixed there).
