@@ -10,8 +10,11 @@ engine flags, and on each in turn measures:
    the batch and the queue are full: their output tokens/s;
 3. load + probes: the same load, and the same probes once it runs: the probes' TTFT and the load's tokens/s.
 
+(2) and (3) repeat --rounds times in turns, each with fresh prompts; the report gives each round and the median.
+
 Targets (issue 28): under the priority policy the probes' TTFT p99 in (3) within 2x of (1), and the load's
-throughput lower in (3) than in (2) by no more than the probes' own work (their tokens over the run). The fcfs
+throughput lower in (3) than in (2) by no more than the probes' own work: their share of the tokens the server
+computed in (3), prompt and output (`probe_work_share`; `probe_token_share` counts output tokens only). The fcfs
 server shows what the probes wait without priorities (behind the whole queue). Timings need a quiet machine.
 """
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import statistics
 import sys
 import time
 
@@ -45,7 +49,7 @@ async def probes(ep: Endpoint, args, variant: int) -> list:
     return results
 
 
-async def low_load(ep: Endpoint, args, variant: int, priority: int) -> tuple[float, int]:
+async def low_load(ep: Endpoint, args, variant: int, priority: int) -> tuple[float, int, int]:
     reqs = random_requests(args.num_low, (args.low_input_len,) * 2, (args.low_output_len,) * 2, seed=2,
                            variant=variant)
     sampling = {"temperature": 0.0, "ignore_eos": True, **({"priority": priority} if priority else {})}
@@ -55,34 +59,45 @@ async def low_load(ep: Endpoint, args, variant: int, priority: int) -> tuple[flo
     failed = [r.error for r in results if not r.success]
     if failed:
         raise RuntimeError(f"{len(failed)} low-priority requests failed: {failed[0]}")
-    return time.perf_counter() - start, sum(r.output_tokens for r in results)
+    return time.perf_counter() - start, sum(r.output_tokens for r in results), sum(r.prompt_len for r in results)
 
 
 def summary(results: list) -> dict:
     ttft = percentiles([r.ttft for r in results if r.success and r.ttft is not None])
     return {"num_ok": sum(r.success for r in results), "ttft_p50_s": ttft and ttft.p50,
-            "ttft_p99_s": ttft and ttft.p99, "output_tokens": sum(r.output_tokens for r in results)}
+            "ttft_p99_s": ttft and ttft.p99, "output_tokens": sum(r.output_tokens for r in results),
+            "prompt_tokens": sum(r.prompt_len for r in results)}
 
 
 async def measure(ep: Endpoint, args, low_priority: int) -> dict:
     idle = summary(await probes(ep, args, variant=1))
-    alone_s, alone_tokens = await low_load(ep, args, 1, low_priority)
+    rounds, loaded_probes = [], []
+    for r in range(args.rounds):
+        alone_s, alone_tokens, _ = await low_load(ep, args, 2 * r + 1, low_priority)
 
-    async def probes_after_start() -> list:
-        await asyncio.sleep(args.load_head_start)
-        return await probes(ep, args, variant=2)
+        async def probes_after_start() -> list:
+            await asyncio.sleep(args.load_head_start)
+            return await probes(ep, args, variant=100 + r)
 
-    (loaded_s, loaded_tokens), probe_results = await asyncio.gather(low_load(ep, args, 2, low_priority),
-                                                                    probes_after_start())
-    loaded = summary(probe_results)
-    out = {"idle": idle, "loaded": loaded,
-           "low_alone": {"seconds": alone_s, "output_tokens_per_s": alone_tokens / alone_s},
-           "low_with_probes": {"seconds": loaded_s, "output_tokens_per_s": loaded_tokens / loaded_s}}
+        (loaded_s, loaded_tokens, loaded_prompt), probe_results = await asyncio.gather(
+            low_load(ep, args, 2 * r + 2, low_priority), probes_after_start())
+        loaded_probes += probe_results
+        p = summary(probe_results)
+        rounds.append({
+            "low_alone": {"seconds": alone_s, "output_tokens_per_s": alone_tokens / alone_s},
+            "low_with_probes": {"seconds": loaded_s, "output_tokens_per_s": loaded_tokens / loaded_s},
+            "probes": p,
+            "low_throughput_drop": 1 - (loaded_tokens / loaded_s) / (alone_tokens / alone_s),
+            # the probes' share of the loaded run's output, and of all it computed (prompts and output)
+            "probe_token_share": p["output_tokens"] / (p["output_tokens"] + loaded_tokens),
+            "probe_work_share": (p["output_tokens"] + p["prompt_tokens"])
+            / (p["output_tokens"] + p["prompt_tokens"] + loaded_tokens + loaded_prompt)})
+    loaded = summary(loaded_probes)
+    out = {"idle": idle, "loaded": loaded, "rounds": rounds}
     if idle["ttft_p99_s"] and loaded["ttft_p99_s"]:
         out["ttft_p99_loaded_over_idle"] = loaded["ttft_p99_s"] / idle["ttft_p99_s"]
-    # The probes' share of the loaded run's output, against the load's throughput drop.
-    out["probe_token_share"] = loaded["output_tokens"] / (loaded["output_tokens"] + loaded_tokens)
-    out["low_throughput_drop"] = 1 - (loaded_tokens / loaded_s) / (alone_tokens / alone_s)
+    for key in ("low_throughput_drop", "probe_token_share", "probe_work_share"):
+        out[key] = statistics.median(r[key] for r in rounds)
     return out
 
 
@@ -98,6 +113,7 @@ def main() -> int:
     p.add_argument("--probe-gap", type=float, default=2.0, metavar="S")
     p.add_argument("--load-head-start", type=float, default=5.0, metavar="S",
                    help="seconds between sending the load and the first probe")
+    p.add_argument("--rounds", type=int, default=3, help="load alone / load with probes, in turns")
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--num-threads", type=int, default=2)
     p.add_argument("--kv-cache-memory", type=int, default=512 << 20, metavar="BYTES")
@@ -120,9 +136,8 @@ def main() -> int:
         report["servers"][name] = {"command": " ".join(server.cmd[1:]), **result}
         print(f"{name}: probes TTFT p99 idle {result['idle']['ttft_p99_s']:.3f} s, under load "
               f"{result['loaded']['ttft_p99_s']:.3f} s ({result.get('ttft_p99_loaded_over_idle', 0):.2f}x); "
-              f"load {result['low_alone']['output_tokens_per_s']:.1f} -> "
-              f"{result['low_with_probes']['output_tokens_per_s']:.1f} tok/s "
-              f"(drop {result['low_throughput_drop']:.1%}, probes' share {result['probe_token_share']:.1%})",
+              f"load throughput drop (median of {args.rounds}) {result['low_throughput_drop']:.1%}, probes' "
+              f"share of the work {result['probe_work_share']:.1%} (of output {result['probe_token_share']:.1%})",
               flush=True)
         if args.out:
             write_json(args.out, report)
