@@ -78,6 +78,56 @@ def test_urgent_request_preempts_the_least_urgent_when_the_batch_is_full():
     assert [r.req_id for r in sched.waiting] == ["m", "l1"]
 
 
+def test_preempted_for_a_full_batch_pauses_and_resumes_without_recompute():
+    # The pool has room, only the batch is full: l1 keeps its blocks and computed tokens while h runs, and
+    # comes back computing one token (the recompute mode would compute all 6 again).
+    sched = make_scheduler("priority", max_num_seqs=2)
+    sched.add_request(req("l1", max_tokens=20, priority=5))
+    sched.add_request(req("l2", max_tokens=20, priority=3))
+    worker = WorkerMirror(sched)
+    for _ in range(3):
+        worker.step()
+    blocks, computed = list(sched.kv.block_ids("l1")), sched.requests["l1"].num_computed_tokens
+    assert computed == 6
+    sched.add_request(req("h", max_tokens=2, priority=0))
+    plan, _ = worker.step()
+    assert plan.preempted_req_ids == ["l1"] and list(sched.paused) == ["l1"]
+    assert sched.kv.block_ids("l1") == blocks and sched.requests["l1"].num_computed_tokens == computed
+    plan, _ = worker.step()  # h's last token: it finishes
+    assert "h" not in sched.requests
+    plan, scheduled = worker.step()
+    assert [(s.req_id, len(s.token_ids)) for s in scheduled] == [("l2", 1), ("l1", 1)]
+    assert sched.kv.block_ids("l1")[:len(blocks)] == blocks and not sched.paused
+
+
+def test_paused_requests_give_their_blocks_back_before_a_running_one_is_preempted():
+    # 8 blocks of 4 tokens. l1 and l2 hold 3 blocks each when h pauses l1 (2 free: h's prompt takes 1). As l2
+    # and h grow the pool runs short: l1 (paused) gives its 3 blocks back, no running request is preempted, and
+    # l1 is computed again later.
+    sched = make_scheduler("priority", num_blocks=8, max_num_seqs=2)
+    sched.add_request(req("l1", 8, max_tokens=12, priority=5))
+    sched.add_request(req("l2", 8, max_tokens=12, priority=3))
+    worker = WorkerMirror(sched)
+    worker.step()
+    worker.step()
+    sched.add_request(req("h", 4, max_tokens=8, priority=0))
+    plan, _ = worker.step()
+    assert plan.preempted_req_ids == ["l1"] and len(sched.kv.block_ids("l1")) == 3
+    dropped_at = None
+    for step in range(12):
+        plan, _ = worker.step()
+        assert not plan.preempted_req_ids and set(plan.num_scheduled_tokens) == {"l2", "h"}
+        if dropped_at is None and "l1" not in sched.paused:
+            dropped_at = step
+            assert not sched.kv.block_ids("l1") and sched.requests["l1"].num_computed_tokens == 0
+        if "h" not in sched.requests:
+            break
+    assert dropped_at is not None
+    while sched.has_unfinished():
+        worker.step()
+    assert sched.kv.pool.num_free_blocks == 8
+
+
 def test_fcfs_never_preempts_for_a_waiting_request():
     sched = make_scheduler("fcfs", max_num_seqs=1)
     sched.add_request(req("l", max_tokens=5))

@@ -6,6 +6,9 @@ policy the least urgent) is preempted: by recompute (blocks freed, tokens kept, 
 preemption_mode="swap" and room in the host pool, by swapping its blocks out and back in. Either way it waits
 again (core/waiting_queue.py: who is admitted next, fair between client requests; core/scheduling_policy.py:
 fcfs or priority, where a waiting request may also preempt less urgent running ones; docs/scheduling.md).
+A request preempted for a more urgent one only because the batch is full (max_num_seqs) while the pool has
+room is paused: it keeps its blocks and computed tokens and resumes where it stopped. Paused requests give their
+blocks back (and are recomputed later) before any running request is preempted for memory.
 
 Parallel samples of one prompt are forks: the first sample prefills the prompt; the others wait until it
 has, then share its blocks (the last, partly filled one copy-on-write) and compute only the last token.
@@ -40,6 +43,8 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.preemption_mode = preemption_mode
         self.num_preemptions_swap = 0
+        # Preempted requests that kept their blocks (_preempt_for_waiting), in the order they were paused.
+        self.paused: dict[str, Request] = {}
         # Forked samples waiting for their source's prefill, keyed by the source's req_id.
         self.pending_forks: dict[str, list[Request]] = {}
         self.fork_source: dict[str, Request] = {}
@@ -121,6 +126,8 @@ class Scheduler:
                     num_new -= len(req.spec_token_ids)
                     req.spec_token_ids = []
                     continue
+                if self._drop_paused():
+                    continue
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted.append(victim.req_id)
@@ -143,9 +150,13 @@ class Scheduler:
             req = self.waiting.peek()
             if req.req_id in preempted:
                 break
-            if self.kv.is_swapped(req):
+            if self.kv.is_swapped(req) or req.req_id in self.paused:
                 num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-                if self.kv.swap_in(req, num_new) is None:
+                if req.req_id in self.paused:
+                    if not self._allocate(req, num_new):
+                        break
+                    del self.paused[req.req_id]
+                elif self.kv.swap_in(req, num_new) is None:
                     break
                 self._admit(req)
                 self._plan(plan, req, num_new)
@@ -171,7 +182,7 @@ class Scheduler:
                 break
             wanted = min(num_new, budget)
             num_new = self._cap_prefill(wanted)
-            if self.kv.allocate_slots(req, num_new, hits) is None:
+            if not self._allocate(req, num_new, hits):
                 break
             self.kv.record_prefix_query(req, num_hit_tokens)
             req.num_computed_tokens = num_hit_tokens
@@ -192,6 +203,24 @@ class Scheduler:
                                step_budget - budget, preempted, finished,
                                self.kv.take_block_ops(), plan.num_prompt_tokens, plan.num_sampling_reqs,
                                plan.spec_tokens)
+
+    def _allocate(self, req: Request, num_new: int, hits=None) -> bool:
+        # Slots for a request being admitted; paused requests give their blocks back first if the pool is short.
+        while self.kv.allocate_slots(req, num_new, hits) is None:
+            if not self._drop_paused(keep=req):
+                return False
+        return True
+
+    def _drop_paused(self, keep: Request | None = None) -> bool:
+        # The pool is short: the most recently paused request (other than keep) frees its blocks and will be
+        # computed again, as one preempted by recompute. False when there is none.
+        victim = next((r for r in reversed(self.paused.values()) if r is not keep), None)
+        if victim is None:
+            return False
+        del self.paused[victim.req_id]
+        self.kv.free(victim, finished=False)
+        victim.num_computed_tokens = 0
+        return True
 
     def _waits_for_running_prefill(self, req: Request, num_hit_tokens: int, num_new: int) -> bool:
         # A running request still prefilling the same prefix (a shared system prompt, requests sent together)
@@ -240,23 +269,26 @@ class Scheduler:
 
     def _preempt_for_waiting(self, preempted: list[str], budget: int) -> None:
         # Priority policy: while the batch or the pool has no room for the first chunk of the most urgent
-        # waiting request, the least urgent running request it outranks (running is in order) is preempted.
-        # Room is estimated before the running requests allocate: their next tokens come first.
+        # waiting request, the least urgent running request it outranks (running is in order) is preempted:
+        # paused (blocks kept) when only the batch is full, else as the mode says once no paused request has
+        # blocks to give back. Room is estimated before the running requests allocate: their next tokens come
+        # first.
         now = self.waiting.now
         while self.policy.preempts_for_waiting and self.waiting and self.running:
             req = self.waiting.peek()
-            if self._has_room(req, budget):
+            has_blocks = self._has_blocks(req, budget)
+            if has_blocks and len(self.running) < self.config.max_num_seqs:
                 return
+            if not has_blocks and self._drop_paused(keep=req):
+                continue
             victim = next((r for r in reversed(self.running) if self.policy.outranks(req, r, now)), None)
             if victim is None:
                 return
             self.running.remove(victim)
-            self._preempt(victim)
+            self._preempt(victim, pause=has_blocks)
             preempted.append(victim.req_id)
 
-    def _has_room(self, req: Request, budget: int) -> bool:
-        if len(self.running) >= self.config.max_num_seqs:
-            return False
+    def _has_blocks(self, req: Request, budget: int) -> bool:
         kv = self.kv
 
         def blocks_for(r: Request) -> int:
@@ -300,11 +332,13 @@ class Scheduler:
         self.kv.forget_hashes(req)
         return req.num_computed_tokens > 0
 
-    def _preempt(self, req: Request, recompute: bool = False) -> None:
+    def _preempt(self, req: Request, recompute: bool = False, pause: bool = False) -> None:
         # recompute: drop the K/V whatever the mode. So it is when req has just passed the longrope switch:
-        # what it would swap out was computed with the wrong factors.
+        # what it would swap out was computed with the wrong factors. pause: keep the blocks (the pool has room).
         recompute = self._passes_longrope_switch(req) or recompute
-        if self.preemption_mode == "swap" and not recompute and self.kv.can_swap_out(req):
+        if pause and not recompute:
+            self.paused[req.req_id] = req
+        elif self.preemption_mode == "swap" and not recompute and self.kv.can_swap_out(req):
             self.kv.swap_out(req)  # keeps num_computed_tokens: the K/V comes back with the blocks
             self.num_preemptions_swap += 1
         else:
@@ -383,6 +417,7 @@ class Scheduler:
             self.fork_source.pop(fork.req_id, None)
             self.waiting.add(fork)
         req.status = status
+        self.paused.pop(req_id, None)
         self.kv.free(req)
         if self.views.drop(req_id):
             self._finished_since_plan.append(req_id)
