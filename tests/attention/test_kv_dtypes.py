@@ -74,15 +74,16 @@ def test_block_copies_move_scales() -> None:
     caches = allocate(spec, 6, torch.device("cpu"))
     assert caches[0].dtype == torch.int8
     assert spec.bytes_per_block == sum(c.numel() * c.element_size() for c in caches) // 6  # scales counted
-    x = torch.randn(8, 2, 16) * 5
+    x = torch.randn(8, 2, 16, generator=torch.Generator().manual_seed(2)) * 5
+    tol = INT8_TOL * x.abs().amax(-1, keepdim=True)  # per row (token, head): half a step of its scale
     for c in caches:
         write_kv(c, x, -x, torch.arange(8))  # blocks 0 and 1
     copy_blocks([(0, 4), (1, 5)], caches, caches)  # copy-on-write / swap path
     table = torch.tensor([[4, 5]])
     for c in caches:
         keys, values = gather_kv(c, table, 2, torch.float32)
-        torch.testing.assert_close(keys[0], x, atol=INT8_TOL * 5 * 4, rtol=0)
-        torch.testing.assert_close(values[0], -x, atol=INT8_TOL * 5 * 4, rtol=0)
+        assert ((keys[0] - x).abs() <= tol).all() and ((values[0] + x).abs() <= tol).all()
+        assert not torch.equal(keys[0], x)  # really int8 codes
 
 
 def test_bad_kv_cache_dtype_names_the_flag() -> None:
