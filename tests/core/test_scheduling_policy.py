@@ -7,6 +7,7 @@ from pagedserve.config import SchedulerConfig
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.request import RequestStatus
 from pagedserve.core.scheduler import Scheduler
+from pagedserve.core.scheduling_policy import TURN_STEPS
 from tests.core.helpers import WorkerMirror, make_request
 from tests.core.test_scheduler import drive
 
@@ -98,6 +99,30 @@ def test_preempted_for_a_full_batch_pauses_and_resumes_without_recompute():
     plan, scheduled = worker.step()
     assert [(s.req_id, len(s.token_ids)) for s in scheduled] == [("l2", 1), ("l1", 1)]
     assert sched.kv.block_ids("l1")[:len(blocks)] == blocks and not sched.paused
+
+
+def test_paused_requests_take_turns_with_their_priority():
+    # h (20 tokens) pauses one of two equal low-priority requests. Alone, that one would fall 20 steps behind
+    # (and finish 20 steps after the other); taking turns every TURN_STEPS + 1 steps, neither falls further
+    # behind than that, and a turn only moves rows: each step computes one token per running request.
+    sched = make_scheduler("priority", max_num_seqs=2)
+    for name in ("l1", "l2"):
+        sched.add_request(req(name, max_tokens=60, priority=5))
+    worker = WorkerMirror(sched)
+    for _ in range(3):
+        worker.step()
+    sched.add_request(req("h", max_tokens=20, priority=0))
+    lows = [sched.requests["l1"], sched.requests["l2"]]
+    gaps, turns = [], 0
+    while "h" in sched.requests:
+        plan, scheduled = worker.step()
+        assert all(len(s.token_ids) == 1 for s in scheduled if s.req_id != "h")  # no recompute
+        assert "h" in [s.req_id for s in scheduled]
+        turns += len(plan.preempted_req_ids)
+        gaps.append(abs(lows[0].num_output_tokens - lows[1].num_output_tokens))
+    assert max(gaps) <= TURN_STEPS + 1 and turns >= 3
+    worker.step()  # the one paused when h finished comes back
+    assert not sched.paused and len(sched.running) == 2
 
 
 def test_paused_requests_give_their_blocks_back_before_a_running_one_is_preempted():

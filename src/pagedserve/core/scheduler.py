@@ -272,7 +272,7 @@ class Scheduler:
         # waiting request, the least urgent running request it outranks (running is in order) is preempted:
         # paused (blocks kept) when only the batch is full, else as the mode says once no paused request has
         # blocks to give back. Room is estimated before the running requests allocate: their next tokens come
-        # first.
+        # first. A paused request at the head takes its turn from one of its priority that ran TURN_STEPS more.
         now = self.waiting.now
         while self.policy.preempts_for_waiting and self.waiting and self.running:
             req = self.waiting.peek()
@@ -281,7 +281,8 @@ class Scheduler:
                 return
             if not has_blocks and self._drop_paused(keep=req):
                 continue
-            victim = next((r for r in reversed(self.running) if self.policy.outranks(req, r, now)), None)
+            victim = next((r for r in reversed(self.running) if self.policy.outranks(req, r, now)
+                           or (req.req_id in self.paused and self.policy.takes_turn(req, r, now))), None)
             if victim is None:
                 return
             self.running.remove(victim)
