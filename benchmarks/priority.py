@@ -12,7 +12,8 @@ engine flags, and on each in turn measures:
    Only probes sent before the load ended count in (3) (`probes_during_load`); the defaults send all of them
    while it runs on a 2-core Xeon (about 10 s of load).
 
-(2) and (3) repeat --rounds times in turns, each with fresh prompts; the report gives each round and the median.
+(2) and (3) repeat --rounds times, each with fresh prompts, (2) first in even rounds and (3) first in odd ones;
+the report gives each round and the median.
 
 Targets (issue 28): under the priority policy the probes' TTFT p99 in (3) within 2x of (1), and the load's
 throughput lower in (3) than in (2) by no more than the probes' own work: their share of the tokens the server
@@ -76,15 +77,25 @@ async def measure(ep: Endpoint, args, low_priority: int) -> dict:
     idle = summary([r for _, r in await probes(ep, args, variant=1)])
     rounds, loaded_probes = [], []
     for r in range(args.rounds):
-        start, end, alone_tokens, _ = await low_load(ep, args, 2 * r + 1, low_priority)
-        alone_s = end - start
+        async def alone() -> tuple[float, int]:
+            start, end, tokens, _ = await low_load(ep, args, 2 * r + 1, low_priority)
+            return end - start, tokens
 
         async def probes_after_start() -> list:
             await asyncio.sleep(args.load_head_start)
             return await probes(ep, args, variant=100 + r)
 
-        (start, end, loaded_tokens, loaded_prompt), sent = await asyncio.gather(
-            low_load(ep, args, 2 * r + 2, low_priority), probes_after_start())
+        async def with_probes() -> tuple:
+            return await asyncio.gather(low_load(ep, args, 2 * r + 2, low_priority), probes_after_start())
+
+        # In turns (alone first in even rounds, second in odd ones), so a drift over the server's life does not
+        # count against one of the two.
+        if r % 2 == 0:
+            alone_s, alone_tokens = await alone()
+            (start, end, loaded_tokens, loaded_prompt), sent = await with_probes()
+        else:
+            (start, end, loaded_tokens, loaded_prompt), sent = await with_probes()
+            alone_s, alone_tokens = await alone()
         loaded_s = end - start
         # Only probes sent while the load ran compete with it: their work is what the load may lose.
         during = [res for at, res in sent if at < end]

@@ -326,6 +326,9 @@ template <int64_t T, typename Out>
 template <int64_t T, typename Out>
 void gemm(const float* x, const c10::BFloat16* xb, int64_t x_stride, int64_t m, int64_t k, const uint8_t* w,
           int64_t n, int64_t row_bytes, const float* bias, void* y, bool vnni) {
+  // Q8_0's and IQ4_XS's unsigned values need vpdpbusd (takes() never sends them here without VNNI)
+  TORCH_CHECK(vnni || T == kQ4_K || T == kQ5_K || T == kQ6_K, "gemm_gguf_int8: GGML type ", T,
+              " needs avx512_vnni in the few-row kernel");
   const int64_t groups = (k + kGroup - 1) / kGroup;
   // rows of x 64 bytes further apart than k: at k = 8192 rows a multiple of 4 KB apart made 3-4 rows 2-3x slower
   const int64_t stride = groups * kGroup + 64;
