@@ -81,7 +81,7 @@ def test_urgent_request_preempts_the_least_urgent_when_the_batch_is_full():
 
 def test_preempted_for_a_full_batch_pauses_and_resumes_without_recompute():
     # The pool has room, only the batch is full: l1 keeps its blocks and computed tokens while h runs, and
-    # comes back computing one token (the recompute mode would compute all 6 again).
+    # comes back computing one token (the recompute mode would compute all 5 again).
     sched = make_scheduler("priority", max_num_seqs=2)
     sched.add_request(req("l1", max_tokens=20, priority=5))
     sched.add_request(req("l2", max_tokens=20, priority=3))
@@ -89,7 +89,7 @@ def test_preempted_for_a_full_batch_pauses_and_resumes_without_recompute():
     for _ in range(3):
         worker.step()
     blocks, computed = list(sched.kv.block_ids("l1")), sched.requests["l1"].num_computed_tokens
-    assert computed == 6
+    assert computed == 5  # l2's prompt first, l1's in the next step (policy.holds_back), then one token
     sched.add_request(req("h", max_tokens=2, priority=0))
     plan, _ = worker.step()
     assert plan.preempted_req_ids == ["l1"] and list(sched.paused) == ["l1"]
@@ -133,8 +133,8 @@ def test_paused_requests_give_their_blocks_back_before_a_running_one_is_preempte
     sched.add_request(req("l1", 8, max_tokens=12, priority=5))
     sched.add_request(req("l2", 8, max_tokens=12, priority=3))
     worker = WorkerMirror(sched)
-    worker.step()
-    worker.step()
+    for _ in range(3):  # l2's prompt, then l1's (policy.holds_back), then a token each
+        worker.step()
     sched.add_request(req("h", 4, max_tokens=8, priority=0))
     plan, _ = worker.step()
     assert plan.preempted_req_ids == ["l1"] and len(sched.kv.block_ids("l1")) == 3
@@ -186,14 +186,33 @@ def test_urgent_request_preempts_when_the_pool_is_full(mode):
 
 
 def test_running_prefill_pauses_for_an_outranking_request():
-    # l's 40-token prompt goes 8 tokens a step; h arrives and takes the budget until its prompt is done.
+    # l's 40-token prompt goes 8 tokens a step; h arrives and takes the budget until its prompt is done, and
+    # the step that finishes it carries none of l's (h's first token comes after that step).
     sched = make_scheduler("priority", max_num_seqs=4, budget=8)
     sched.add_request(req("l", 40, max_tokens=2, priority=1))
     worker = WorkerMirror(sched)
     worker.step()
     sched.add_request(req("h", 12, max_tokens=2, priority=0))
     steps = [[(s.req_id, len(s.token_ids)) for s in worker.step()[1]] for _ in range(4)]
-    assert steps == [[("h", 8)], [("h", 4), ("l", 4)], [("h", 1), ("l", 7)], [("l", 8)]]
+    assert steps == [[("h", 8)], [("h", 4)], [("h", 1), ("l", 7)], [("l", 8)]]
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_a_step_with_an_urgent_prompt_carries_no_less_urgent_prompt(policy):
+    # l0 decodes; h's prompt and two less urgent ones arrive together, and the budget (64) has room for all.
+    # Under the priority policy h's step computes h's prompt and l0's token only: h's first token waits for
+    # no other prompt. The others start one step later. fcfs takes them all at once.
+    sched = make_scheduler(policy, max_num_seqs=4, budget=64)
+    sched.add_request(req("l0", 8, max_tokens=10, priority=5))
+    worker = WorkerMirror(sched)
+    worker.step()
+    for r in (req("h", 8, max_tokens=4, priority=0), req("l1", 8, priority=5), req("l2", 8, priority=5)):
+        sched.add_request(r)
+    steps = [sorted((s.req_id, len(s.token_ids)) for s in worker.step()[1]) for _ in range(2)]
+    if policy == "priority":
+        assert steps == [[("h", 8), ("l0", 1)], [("h", 1), ("l0", 1), ("l1", 8), ("l2", 8)]]
+    else:
+        assert steps == [[("h", 8), ("l0", 1), ("l1", 8), ("l2", 8)], [("h", 1), ("l0", 1), ("l1", 1), ("l2", 1)]]
 
 
 def test_aging_bounds_the_wait_of_a_low_priority_request():

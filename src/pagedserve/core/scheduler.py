@@ -105,8 +105,11 @@ class Scheduler:
         capped: list[tuple[Request, int, int]] = []
 
         # Under the priority policy a running prefill pauses while a waiting request outranks it, so the
-        # budget goes to the urgent one's prefill; decodes always run.
+        # budget goes to the urgent one's prefill; decodes always run. And a step that computes a prompt
+        # computes no less urgent one beside it (policy.holds_back): the urgent prompt's first token comes
+        # after this step, which the other prompt would make longer.
         urgent = self.waiting.peek()
+        lead: Request | None = None  # the most urgent request whose prompt this step computes
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -116,7 +119,8 @@ class Scheduler:
                 preempted.append(req.req_id)
                 continue
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            if num_new > 1 and urgent is not None and self.policy.outranks(urgent, req, self.waiting.now):
+            if num_new > 1 and ((urgent is not None and self.policy.outranks(urgent, req, self.waiting.now))
+                                or self.policy.holds_back(lead, req)):
                 i += 1
                 continue
             wanted, num_new = num_new, self._cap_prefill(num_new)
@@ -139,6 +143,8 @@ class Scheduler:
                 capped.append((req, num_new, wanted))
             else:
                 self._plan(plan, req, num_new)
+            if wanted > 1:
+                lead = self.policy.more_urgent(lead, req)
             budget -= num_new
             i += 1
 
@@ -150,6 +156,9 @@ class Scheduler:
             req = self.waiting.peek()
             if req.req_id in preempted:
                 break
+            if (self.policy.holds_back(lead, req) and req.num_tokens - req.num_computed_tokens > 1
+                    and req.req_id not in self.fork_source):  # a fork computes one token
+                break
             if self.kv.is_swapped(req) or req.req_id in self.paused:
                 num_new = min(req.num_tokens - req.num_computed_tokens, budget)
                 if req.req_id in self.paused:
@@ -160,6 +169,8 @@ class Scheduler:
                     break
                 self._admit(req)
                 self._plan(plan, req, num_new)
+                if num_new > 1:
+                    lead = self.policy.more_urgent(lead, req)
                 budget -= num_new
                 continue
             src = self.fork_source.pop(req.req_id, None)
@@ -193,6 +204,8 @@ class Scheduler:
                 capped.append((req, num_new, wanted))
             else:
                 self._plan(plan, req, num_new)
+            if wanted > 1:
+                lead = self.policy.more_urgent(lead, req)
             budget -= num_new
 
         for req in deferred:  # back in the queue with their keys: their places are kept

@@ -48,6 +48,12 @@ class FCFSPolicy:
     def takes_turn(self, paused: Request, running: Request, now: int) -> bool:
         return False
 
+    def holds_back(self, lead: Request | None, req: Request) -> bool:
+        return False
+
+    def more_urgent(self, lead: Request | None, req: Request) -> Request | None:
+        return None
+
     def order_running(self, running: list[Request]) -> None:
         # Admission order: the newest is preempted first when the pool runs short.
         pass
@@ -74,6 +80,13 @@ class PriorityPolicy:
     def takes_turn(self, paused: Request, running: Request, now: int) -> bool:
         key, arrival = self.requeue_key(running, now)
         return paused.priority == running.priority and paused.queue_key < (key - TURN_STEPS, arrival)
+
+    def holds_back(self, lead: Request | None, req: Request) -> bool:
+        # lead's prompt is computed this step: req's, less urgent, waits for the next.
+        return lead is not None and lead.priority < req.priority
+
+    def more_urgent(self, lead: Request | None, req: Request) -> Request:
+        return req if lead is None or req.priority < lead.priority else lead
 
     def order_running(self, running: list[Request]) -> None:
         # Most urgent first (the key it would wait with): they get the token budget first, and the last is
