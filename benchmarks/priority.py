@@ -5,7 +5,8 @@
 Starts `pagedserve serve --scheduling-policy priority` and a default (fcfs) server on free ports, with the same
 engine flags, and on each in turn measures:
 
-1. idle: --num-probes urgent requests (priority 0), one every --probe-gap seconds, alone: the reference TTFT;
+1. idle: --num-probes urgent requests (priority 0), one at a time, each --probe-gap seconds on average after the
+   last one's end (exponential gaps), alone: the reference TTFT;
 2. load alone: --num-low long requests (priority --low-priority) sent at once, more than --max-num-seqs, so
    the batch and the queue are full: their output tokens/s;
 3. load + probes: the same load, and the same probes once it runs: the probes' TTFT and the load's tokens/s.
@@ -25,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import random
 import statistics
 import sys
 import time
@@ -44,12 +46,15 @@ async def probes(ep: Endpoint, args, variant: int) -> list:
     reqs = random_requests(args.num_probes, (args.probe_input_len,) * 2, (args.probe_output_len,) * 2,
                            seed=1, variant=variant)
     sampling = {"temperature": 0.0, "ignore_eos": True, "priority": 0}
+    # Gaps drawn from an exponential distribution (Poisson arrivals): with a fixed gap the probes meet the load's
+    # long prefill steps, or miss them, by how the machine's speed lines them up.
+    gaps = random.Random(variant)
     results = []
     async with make_client(None, 600.0) as client:
         for req in reqs:
             sent = time.perf_counter()
             results.append((sent, await send_request(client, ep, req, sampling)))
-            await asyncio.sleep(args.probe_gap)
+            await asyncio.sleep(gaps.expovariate(1 / args.probe_gap))
     return results
 
 
@@ -113,8 +118,9 @@ async def measure(ep: Endpoint, args, low_priority: int) -> dict:
             / (p["output_tokens"] + p["prompt_tokens"] + loaded_tokens + loaded_prompt)})
     loaded = summary(loaded_probes)
     out = {"idle": idle, "loaded": loaded, "rounds": rounds}
-    if idle["ttft_p99_s"] and loaded["ttft_p99_s"]:
-        out["ttft_p99_loaded_over_idle"] = loaded["ttft_p99_s"] / idle["ttft_p99_s"]
+    for q in ("p50", "p99"):
+        if idle[f"ttft_{q}_s"] and loaded[f"ttft_{q}_s"]:
+            out[f"ttft_{q}_loaded_over_idle"] = loaded[f"ttft_{q}_s"] / idle[f"ttft_{q}_s"]
     for key in ("low_throughput_drop", "probe_token_share", "probe_work_share"):
         out[key] = statistics.median(r[key] for r in rounds)
     return out
@@ -154,7 +160,8 @@ def main() -> int:
             server.stop()
         report["servers"][name] = {"command": " ".join(server.cmd[1:]), **result}
         print(f"{name}: probes TTFT p99 idle {result['idle']['ttft_p99_s']:.3f} s, under load "
-              f"{result['loaded']['ttft_p99_s']:.3f} s ({result.get('ttft_p99_loaded_over_idle', 0):.2f}x); "
+              f"{result['loaded']['ttft_p99_s']:.3f} s ({result.get('ttft_p99_loaded_over_idle', 0):.2f}x; p50 "
+              f"{result.get('ttft_p50_loaded_over_idle', 0):.2f}x); "
               f"load throughput drop (median of {args.rounds}) {result['low_throughput_drop']:.1%}, probes' "
               f"share of the work {result['probe_work_share']:.1%} (of output {result['probe_token_share']:.1%})",
               flush=True)
