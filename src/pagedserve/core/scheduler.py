@@ -144,7 +144,7 @@ class Scheduler:
             else:
                 self._plan(plan, req, num_new)
             if wanted > 1:
-                lead = self.policy.more_urgent(lead, req)
+                lead = self._lead(lead, req)
             budget -= num_new
             i += 1
 
@@ -170,7 +170,7 @@ class Scheduler:
                 self._admit(req)
                 self._plan(plan, req, num_new)
                 if num_new > 1:
-                    lead = self.policy.more_urgent(lead, req)
+                    lead = self._lead(lead, req)
                 budget -= num_new
                 continue
             src = self.fork_source.pop(req.req_id, None)
@@ -205,7 +205,7 @@ class Scheduler:
             else:
                 self._plan(plan, req, num_new)
             if wanted > 1:
-                lead = self.policy.more_urgent(lead, req)
+                lead = self._lead(lead, req)
             budget -= num_new
 
         for req in deferred:  # back in the queue with their keys: their places are kept
@@ -216,6 +216,10 @@ class Scheduler:
                                step_budget - budget, preempted, finished,
                                self.kv.take_block_ops(), plan.num_prompt_tokens, plan.num_sampling_reqs,
                                plan.spec_tokens)
+
+    def _lead(self, lead: Request | None, req: Request) -> Request:
+        # The most urgent of the requests whose prompts this step computes.
+        return req if lead is None or self.policy.holds_back(req, lead) else lead
 
     def _allocate(self, req: Request, num_new: int, hits=None) -> bool:
         # Slots for a request being admitted; paused requests give their blocks back first if the pool is short.

@@ -51,9 +51,6 @@ class FCFSPolicy:
     def holds_back(self, lead: Request | None, req: Request) -> bool:
         return False
 
-    def more_urgent(self, lead: Request | None, req: Request) -> Request | None:
-        return None
-
     def order_running(self, running: list[Request]) -> None:
         # Admission order: the newest is preempted first when the pool runs short.
         pass
@@ -84,9 +81,6 @@ class PriorityPolicy:
     def holds_back(self, lead: Request | None, req: Request) -> bool:
         # lead's prompt is computed this step: req's, less urgent, waits for the next.
         return lead is not None and lead.priority < req.priority
-
-    def more_urgent(self, lead: Request | None, req: Request) -> Request:
-        return req if lead is None or req.priority < lead.priority else lead
 
     def order_running(self, running: list[Request]) -> None:
         # Most urgent first (the key it would wait with): they get the token budget first, and the last is
