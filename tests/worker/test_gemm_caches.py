@@ -46,8 +46,9 @@ def _growth_mb(mode: str) -> float:
 
 
 def test_bounded_caches_keep_memory_flat():
-    if not torch.backends.mkldnn.is_available():
-        pytest.skip("no oneDNN: nothing caches per shape")
+    if not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+        # AVX2-only CPUs: torch's bf16 matmul does not go through oneDNN (no entry per shape to bound)
+        pytest.skip("oneDNN takes no bf16 GEMM on this CPU: nothing caches per shape")
     unbounded, bounded = _growth_mb("default"), _growth_mb("bounded")
     # ~0.8 MB per row count at the libraries' default capacities (1,024 entries); bounded, the caches are full
     # long before the first 100 and stay at their size (measured: 160 vs 0-11 MB: what remains is the heap's
