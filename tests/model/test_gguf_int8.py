@@ -176,8 +176,8 @@ def test_dispatcher_picks_int8(isa_name: str, monkeypatch) -> None:
             int8 = env == "1" and has_int8
             choice = kernel_choice(ops, torch.float32, fused.qtypes)
             assert choice.int8_max_rows == (sys.maxsize if int8 else 0)
-            # from 1 row where the variant has the few-row kernel (avx512, amx), else from INT8_MIN_ROWS
-            few_rows = has_int8 and isa_name in ("avx512", "amx")
+            # from 1 row where the variant has the few-row kernel (avx2, avx512, amx), else from INT8_MIN_ROWS
+            few_rows = has_int8 and isa_name in ("avx2", "avx512", "amx")
             # Q8_0 and IQ4_XS where the CPU has VNNI
             vnni = {8, 23} if ops.gguf_int8_types(True) else set()
             assert set(ops.gguf_int8_gemv_types()) == ({12, 13, 14} | vnni if few_rows else set())

@@ -8,8 +8,8 @@
 //     driver at every M, so each row of y is bit for bit the same whatever the rows beside it.
 //   gguf_int8_types(vnni?) -> the GGML types gemm_gguf_int8 multiplies in this build on this CPU (empty:
 //     none), with the dot products `vnni` picks as above
-//   gguf_int8_gemv_types() -> the types whose 1-4 rows of x take a few-row kernel (avx512 / amx builds:
-//     gguf_int8_gemv.h's Q4_K, Q5_K, Q6_K, and on CPUs with VNNI Q8_0, IQ4_XS; else empty)
+//   gguf_int8_gemv_types() -> the types whose 1-4 rows of x take a few-row kernel (gguf_int8_gemv.h: Q4_K,
+//     Q5_K, Q6_K in the avx2, avx512 and amx builds, and Q8_0, IQ4_XS on CPUs with AVX512-VNNI; baseline: none)
 // model/layers/gguf_quant.py's kernel_choice decides when it runs.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -23,7 +23,7 @@
 #include "gguf_blocks.h"
 #include "gguf_int8.h"
 #include "gguf_int8_tiles.h"
-#if defined(PAGEDSERVE_GGUF_INT8_VNNI)
+#if defined(PAGEDSERVE_GGUF_INT8)
 #include "gguf_int8_gemv.h"
 #endif
 #include "ops_library.h"
@@ -59,7 +59,7 @@ void run(const int8::Args& a, bool vnni, bool invariant) {
 
 // The types gemm_gguf_int8 runs through the few-row kernel (gguf_int8_gemv.h) for 1 to 4 rows of x.
 std::vector<int64_t> gguf_int8_gemv_types() {
-#if defined(PAGEDSERVE_GGUF_INT8_VNNI)
+#if defined(PAGEDSERVE_GGUF_INT8)
   if (int8::cpu_has_vnni()) return {kQ4_K, kQ5_K, kQ6_K, kQ8_0, kIQ4_XS};
   return {kQ4_K, kQ5_K, kQ6_K};
 #else
@@ -82,7 +82,6 @@ at::Tensor gemm_gguf_int8(const at::Tensor& x, const at::Tensor& w, int64_t type
   if (m == 0 || n == 0) return y;
   const bool use_vnni = vnni.value_or(has_vnni);
   const bool bf16 = x.scalar_type() == at::kBFloat16;
-#if defined(PAGEDSERVE_GGUF_INT8_VNNI)
   if (!invariant && int8::gemv::takes(type, m, use_vnni)) {  // single-stream decode
     const float* xf = bf16 ? nullptr : x.data_ptr<float>();
     const c10::BFloat16* xb = bf16 ? x.data_ptr<c10::BFloat16>() : nullptr;
@@ -90,7 +89,6 @@ at::Tensor gemm_gguf_int8(const at::Tensor& x, const at::Tensor& w, int64_t type
     int8::gemv::run(type, xf, xb, x.stride(0), m, k, w.data_ptr<uint8_t>(), n, w.size(1), bp, y.data_ptr(), use_vnni);
     return y;
   }
-#endif
   // x quantized: rows of kpad quants (64-byte aligned vectors), per group its scale and 16 sums
   const int64_t groups = (k + int8::kGroup - 1) / int8::kGroup, kpad = groups * int8::kGroup;
   std::vector<int8_t> q(m * kpad + 64);

@@ -67,20 +67,6 @@ inline __m512i scale_index(int v) {
   return _mm512_load_si512(idx);
 }
 
-// A Q4_K / Q5_K block's 8 six-bit scales and mins (ggml's get_scale_min_k4, 4 bytes at a time): bytes 0..7 the
-// scales of sub-blocks 0..7, bytes 8..15 their mins.
-inline __m128i k4_scales_mins(const uint8_t* b) {
-  uint32_t s[4];
-  std::memcpy(s, b + 4, 12);
-  constexpr uint32_t m6 = 0x3f3f3f3f, m4 = 0x0f0f0f0f, m2 = 0x03030303;
-  s[3] = ((s[2] >> 4) & m4) | (((s[1] >> 6) & m2) << 4);
-  const uint32_t mins_lo = s[1] & m6;
-  s[1] = (s[2] & m4) | (((s[0] >> 6) & m2) << 4);
-  s[2] = mins_lo;
-  s[0] &= m6;
-  return _mm_loadu_si128(reinterpret_cast<const __m128i*>(s));
-}
-
 template <int64_t T>
 inline void rebuild(const uint8_t* b, Block& u) {
   if constexpr (T == kQ4_K || T == kQ5_K) {
