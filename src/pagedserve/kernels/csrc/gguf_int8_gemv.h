@@ -1,25 +1,16 @@
-// gemm_gguf_int8 for 1 to kMaxRows rows of x (single-stream decode), avx512 / amx builds: the k-quants (Q4_K,
-// Q5_K, Q6_K) and, on CPUs with VNNI, Q8_0 (llama.cpp's q8_0 x q8_0 dot) and IQ4_XS.
+// gemm_gguf_int8 for 1 to kMaxRows rows of x (single-stream decode): the k-quants (Q4_K, Q5_K, Q6_K) in the
+// avx2, avx512 and amx builds and, on CPUs with AVX512-VNNI, Q8_0 (llama.cpp's q8_0 x q8_0 dot) and IQ4_XS.
 //
 // Decode reads every weight once per token, so a row of x must cost less vector work per weight byte than the
-// memory delivers. gguf_int8.h's pass, built for up to 64 rows of x, spends more than that at one row. Here, per
-// group of 256 weights of a row:
+// memory delivers. gguf_int8.h's pass, built for up to 64 rows of x, spends more than that at one row. Here:
 //   - x is quantized as gguf_int8.h does (the same int8 values and dx per 256), stored in the order the weights
-//     come out of a block, so the rebuild never moves bytes across lanes (run_at);
-//   - the weights go in as unsigned bytes, 4 products straight into int32 (vpdpbusd; vpmaddubsw + vpmaddwd
-//     without VNNI, where the quants are below 64 so pair sums fit int16): the k-quants' quants as they are
-//     (0..15, 0..31, 0..63), Q8_0's int8 quants xor 0x80, IQ4_XS's kIq4Values + 128 by one vpshufb;
-//   - each int32 lane times its 32's (Q6_K: 16's) float scale into a float vector per group, times dx into one
-//     accumulator per row of x;
-//   - the offset (Q4_K / Q5_K: dmin * min per 32; Q8_0, IQ4_XS: 128 * scale per 32; Q6_K: 32 * scale per 16)
-//     times the sum of x's quants over those 32 or 16 (kept with x as int32) goes into a second one;
+//     come out of a block in this build's vectors (run_at), with the sums of its quants per 32 (Q6_K: per 16);
 //   - each thread reads its contiguous run of weight rows as kStreams runs side by side (gguf_blocks.h),
-//     prefetching kAhead bytes ahead of its reads;
+//     prefetching kAhead bytes ahead of its reads, and multiplies each group of 256 weights, rebuilt in
+//     registers, into every row of x (RowKernel: gguf_int8_gemv_avx512.h with 64-byte vectors and a float scale
+//     per 32, gguf_int8_gemv_avx2.h with 32-byte vectors and integer scales);
 //   - rows of x of more than kLongRow inputs go 2 per pass over the weights (see gemm).
-// Against an integer sum per group times its scales (this file's first form), the float scale per 32 read the
-// cold weights of Llama-1B's shapes 1.2x faster on a Xeon core (Q4_K 12.4 -> 15.5 GB/s, one thread), at the
-// same speed with the weights in cache. The integers are gguf_int8.h's, so results equal its own up to
-// float32 rounding.
+// The integers are gguf_int8.h's, so results equal its own up to float32 rounding.
 #pragma once
 
 #include <ATen/Parallel.h>

@@ -1,6 +1,15 @@
-// gguf_int8_gemv.h's row kernel for the avx512 / amx builds: a group of 256 weights rebuilt into 64-byte
-// vectors of unsigned bytes, 4 products into each int32 lane (vpdpbusd, or vpmaddubsw + vpmaddwd by ones
-// without VNNI), each lane times its 32's (Q6_K: 16's) float scale. Included by gguf_int8_gemv.h only.
+// gguf_int8_gemv.h's row kernel for the avx512 / amx builds. Per group of 256 weights of a row:
+//   - x's runs stored so that the rebuild never moves bytes across lanes (run_at);
+//   - the weights go in as unsigned bytes, 4 products straight into int32 (vpdpbusd; vpmaddubsw + vpmaddwd
+//     without VNNI, where the quants are below 64 so pair sums fit int16): the k-quants' quants as they are
+//     (0..15, 0..31, 0..63), Q8_0's int8 quants xor 0x80, IQ4_XS's kIq4Values + 128 by one vpshufb;
+//   - each int32 lane times its 32's (Q6_K: 16's) float scale into a float vector per group, times dx into one
+//     accumulator per row of x;
+//   - the offset (Q4_K / Q5_K: dmin * min per 32; Q8_0, IQ4_XS: 128 * scale per 32; Q6_K: 32 * scale per 16)
+//     times the sum of x's quants over those 32 or 16 goes into a second one.
+// Against an integer sum per group times its scales (the first form), the float scale per 32 read the cold
+// weights of Llama-1B's shapes 1.2x faster on a Xeon core (Q4_K 12.4 -> 15.5 GB/s, one thread), at the same
+// speed with the weights in cache. Included by gguf_int8_gemv.h only.
 #pragma once
 
 #include <immintrin.h>

@@ -27,7 +27,8 @@ variant up to INT8_MAX_ROWS_AMX) instead of gemm_gguf or dequantized tiles: x qu
 and integer dot products (csrc/gguf_int8.h; from 32 rows register-tiled with each weight rebuilt once per call,
 csrc/gguf_int8_tiles.h), as llama.cpp does; results differ from the float kernels by x's rounding (at most
 sum |w| * dx / 2 per output). Where the variant also has the few-row int8 kernel for every type of the weight
-(avx512, amx: csrc/gguf_int8_gemv.h, gguf_int8_gemv_types()), int8 starts at 1 row (single-stream decode).
+(csrc/gguf_int8_gemv.h, gguf_int8_gemv_types(): the k-quants on avx2, avx512, amx), int8 starts at 1 row
+(single-stream decode).
 Q5_0 / Q5_1 weights take it for INT8_Q5_ROWS rows on avx512 / amx, IQ4_XS from 1 row and Q8_0 for INT8_Q8_ROWS
 (avx512 / amx on CPUs with VNNI: csrc/gguf_int8_gemv.h at 1-4 rows); a weight of several types takes it for
 the rows where all of them do. PAGEDSERVE_GGUF_INT8=0 keeps the float kernels.
@@ -91,8 +92,9 @@ PORTABLE_MAX_ROWS = 8
 INT8_TYPES = (12, 13, 14)
 INT8_MIN_ROWS = 5
 INT8_MAX_ROWS_AMX = 64
-# With the few-row kernel (csrc/gguf_int8_gemv.h, avx512 / amx builds), int8 from 1 row: at 1 row of x, weights
-# cold, 1 thread, Llama-1B shapes, it reads 1.6-2.5x the GB/s of gemm_gguf (benchmarks/README.md).
+# With the few-row kernel (csrc/gguf_int8_gemv.h), int8 from 1 row: at 1 row of x, weights cold, 1 thread,
+# Llama-1B shapes, it reads 1.6-2.5x the GB/s of gemm_gguf on AVX-512 CPUs (benchmarks/README.md), 2.5-3.4x on an
+# AVX2-only EPYC (Zen 3; benchmarks/gguf_gemv.py --model llama1b --rows 1: Q4_K 9-10 vs 2.7-3.6 GB/s).
 INT8_GEMV_MIN_ROWS = 1
 # Q5_0 and Q5_1 (blocks of 32) take gemm_gguf_int8 for INT8_Q5_ROWS on the avx512 / amx variants: gemm_gguf has
 # no table kernel for them beyond 4 rows. SmolLM2-135M shapes, weights cold, 1 thread, thread CPU time, 2-core
