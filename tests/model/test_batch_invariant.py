@@ -55,15 +55,17 @@ def test_gguf_rows_independent_of_the_batch(isa_name: str, qtype, monkeypatch) -
 
 @pytest.mark.parametrize("isa_name", ISAS)
 def test_invariant_paths_are_one_kernel(isa_name: str, monkeypatch) -> None:
-    # The mode's choice per weight: int8 where the default takes it for some row counts (then only gguf_int8.h's
-    # driver, which the rows test above checks), else gemm_gguf; never the amx kernel or dequantized tiles.
+    # The mode's choice per weight: int8 where the default takes it for some row counts and gguf_int8.h's driver
+    # has the type (then only that driver, which the rows test above checks; avx2 has Q8_0 in the few-row kernel
+    # only), else gemm_gguf; never the amx kernel or dequantized tiles.
     monkeypatch.setenv("PAGEDSERVE_GGUF_INT8", "1")
     ops = kernels.load_isa(isa_name)
     for dtype in DTYPES:
         for qtype in TYPES:
             choice = gguf_quant.kernel_choice(ops, dtype, (int(qtype),))
             paths = {choice.path(m, invariant=True) for m in range(1, 600, 7)}
-            assert paths == {"int8" if choice.int8_max_rows else "gemv"}
+            driver = int(qtype) in ops.gguf_int8_types()
+            assert paths == {"int8" if choice.int8_max_rows and driver else "gemv"}
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

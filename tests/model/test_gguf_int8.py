@@ -108,7 +108,7 @@ def test_int8_kernel_matches_quantized_x(isa_name: str, qtype, numerics) -> None
     ways = [dot for dot in dots(ops) if dot is not False or qtype not in VNNI_ONLY]  # None: as one of the others
     if qtype in VNNI_ONLY:
         with pytest.raises(RuntimeError, match=f"needs AVX512-VNNI|type {int(qtype)} has no int8 kernel"):
-            ops.gemm_gguf_int8(x[:1], w, int(qtype), None, False)
+            ops.gemm_gguf_int8(x[:5], w, int(qtype), None, False)  # beyond the few-row kernel (avx2 has it)
         assert int(qtype) not in ops.gguf_int8_types(False)
         if True not in ways:
             assert int(qtype) not in ops.gguf_int8_types()
@@ -145,7 +145,7 @@ def test_int8_tiles_long_rows(isa_name: str, qtype, numerics) -> None:
     bias = torch.randn(9, generator=torch.Generator().manual_seed(2))
     for m in (40, 210):
         results = []
-        for dot in [d for d in dots(ops)[1:] if d or qtype not in VNNI_ONLY]:
+        for dot in [d for d in dots(ops)[1:] if d or qtype not in VNNI_ONLY or ops.compiled_isa() == "avx2"]:
             y = ops.gemm_gguf_int8(x[:m], w, int(qtype), bias, dot)
             check(y, x[:m], ref, bias, numerics, f"{m} rows, vnni={dot}")
             yb = ops.gemm_gguf_int8(x[:m].bfloat16(), w, int(qtype), None, dot)
@@ -160,7 +160,7 @@ def test_dispatcher_picks_int8(isa_name: str, monkeypatch) -> None:
     # (prefill too: float32 x has no upper bound; gemm_gguf_bf16, which takes prompts where the CPU has it, is
     # off here: tests/model/test_gguf_bf16.py) where the variant has it and PAGEDSERVE_GGUF_INT8 is not "0";
     # otherwise the float kernels, exactly as before.
-    # A weight with a type the int8 kernel lacks (Q4_1) keeps the float kernels.
+    # A weight with a type the int8 kernel lacks (Q4_1 beyond avx2's few rows) keeps the float kernels.
     rng = np.random.default_rng(5)
     raws = [(T.Q4_K, raw_blocks(T.Q4_K, 24, 512, rng)), (T.Q6_K, raw_blocks(T.Q6_K, 8, 512, rng))]
     fused = concat_rows([as_weight(r, t, 512) for t, r in raws])
@@ -178,12 +178,13 @@ def test_dispatcher_picks_int8(isa_name: str, monkeypatch) -> None:
             assert choice.int8_max_rows == (sys.maxsize if int8 else 0)
             # from 1 row where the variant has the few-row kernel (avx2, avx512, amx), else from INT8_MIN_ROWS
             few_rows = has_int8 and isa_name in ("avx2", "avx512", "amx")
-            # Q8_0 and IQ4_XS where the CPU has VNNI
-            vnni = {8, 23} if ops.gguf_int8_types(True) else set()
-            assert set(ops.gguf_int8_gemv_types()) == ({12, 13, 14} | vnni if few_rows else set())
+            # Q8_0 and IQ4_XS where the CPU has VNNI; Q4_1 and Q8_0 on avx2
+            more = {8, 23} if ops.gguf_int8_types(True) else {3, 8} if isa_name == "avx2" else set()
+            assert set(ops.gguf_int8_gemv_types()) == ({12, 13, 14} | more if few_rows else set())
             low = gguf_quant.INT8_GEMV_MIN_ROWS if few_rows else gguf_quant.INT8_MIN_ROWS
             assert not int8 or choice.int8_min_rows == low
-            assert kernel_choice(ops, torch.float32, q41.qtypes).path(1) != "int8"
+            # Q4_1: 1-2 rows on avx2 only (test_dispatcher_picks_int8_for_iq4_xs_q8_0_and_q4_1)
+            assert kernel_choice(ops, torch.float32, q41.qtypes).path(3) != "int8"
             for m in (1, 2, 4, gguf_quant.INT8_MIN_ROWS, 7, 64, 65, 200):
                 y = gguf_linear(x[:m], fused, bias)
                 if int8 and m >= low:
@@ -217,10 +218,10 @@ def test_int8_bad_input() -> None:
     assert ops.gemm_gguf_int8(torch.randn(0, 256), w, int(T.Q4_K), None).shape == (0, 4)
 
 
-@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0, T.IQ4_XS], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0, T.IQ4_XS, T.Q4_1], ids=lambda t: t.name)
 def test_int8_few_rows_long_weight_rows(qtype, numerics) -> None:
-    # 1-4 rows of x take the few-row kernels (csrc/gguf_int8_gemv.h; Q8_0, IQ4_XS with VNNI) where the
-    # variant has them; rows of more than 4,096 inputs (here 4,352; Q8_0 4,384: a last group of one block) take
+    # 1-4 rows of x take the few-row kernels (csrc/gguf_int8_gemv.h; Q8_0, IQ4_XS with VNNI on avx512 / amx; Q4_1
+    # and Q8_0 on avx2) where the variant has them; rows of more than 4,096 inputs (here 4,352; Q8_0 4,384: a last group of one block) take
     # 3-4 rows of x in passes of 2; 37 weight rows (split between threads)
     ops = next((o for o in map(int8_ops, ISAS) if o is not None and int(qtype) in o.gguf_int8_gemv_types()), None)
     if ops is None:
@@ -234,7 +235,7 @@ def test_int8_few_rows_long_weight_rows(qtype, numerics) -> None:
     x[2, 512:768] *= 30
     bias = torch.randn(37, generator=gen)
     for m in (1, 2, 3, 4):
-        for dot in [d for d in dots(ops)[1:] if d or qtype not in VNNI_ONLY]:
+        for dot in [d for d in dots(ops)[1:] if d or qtype not in VNNI_ONLY or ops.compiled_isa() == "avx2"]:
             check(ops.gemm_gguf_int8(x[:m], w, int(qtype), bias, dot), x[:m], ref, bias, numerics, f"{m} rows")
         yb = ops.gemm_gguf_int8(x[:m].bfloat16(), w, int(qtype), None)
         check(yb, x[:m].bfloat16().float(), ref, None, numerics, f"bf16, {m} rows")
@@ -263,23 +264,27 @@ def test_dispatcher_picks_int8_for_q5(isa_name: str, qtype, monkeypatch) -> None
 
 
 @pytest.mark.parametrize("isa_name", ISAS)
-def test_dispatcher_picks_int8_for_iq4_xs_and_q8_0(isa_name: str, monkeypatch) -> None:
+def test_dispatcher_picks_int8_for_iq4_xs_q8_0_and_q4_1(isa_name: str, monkeypatch) -> None:
     # On avx512 / amx where the CPU has VNNI: IQ4_XS alone and fused with a Q6_K part take gemm_gguf_int8 from 1
-    # row on (no upper bound: 300 rows run the tiles); Q8_0 for INT8_Q8_ROWS; else the float kernels
+    # row on (no upper bound: 300 rows run the tiles), Q8_0 for INT8_BLOCK32_ROWS; on avx2 Q8_0 and Q4_1 for
+    # INT8_BLOCK32_ROWS (the few-row kernel only); else the float kernels
     rng = np.random.default_rng(23)
     raws = [(T.IQ4_XS, raw_blocks(T.IQ4_XS, 8, 512, rng)), (T.Q6_K, raw_blocks(T.Q6_K, 8, 512, rng)),
-            (T.Q8_0, raw_blocks(T.Q8_0, 8, 512, rng))]
+            (T.Q8_0, raw_blocks(T.Q8_0, 8, 512, rng)), (T.Q4_1, raw_blocks(T.Q4_1, 8, 512, rng))]
     weights = [as_weight(raws[0][1], T.IQ4_XS, 512), concat_rows([as_weight(r, t, 512) for t, r in raws[:2]]),
-               as_weight(raws[2][1], T.Q8_0, 512)]
+               as_weight(raws[2][1], T.Q8_0, 512), as_weight(raws[3][1], T.Q4_1, 512)]
     refs = [reference(raws[0][1], T.IQ4_XS).double(), torch.cat([reference(r, t) for t, r in raws[:2]]).double(),
-            reference(raws[2][1], T.Q8_0).double()]
-    spans = [(1, sys.maxsize), (1, sys.maxsize), gguf_quant.INT8_Q8_ROWS]
+            reference(raws[2][1], T.Q8_0).double(), reference(raws[3][1], T.Q4_1).double()]
+    spans = [(1, sys.maxsize), (1, sys.maxsize), gguf_quant.INT8_BLOCK32_ROWS, gguf_quant.INT8_BLOCK32_ROWS]
     x = torch.randn(300, 512, generator=torch.Generator().manual_seed(0))
     monkeypatch.setenv("PAGEDSERVE_GGUF_INT8", "1")
     with kernels.use_isa(isa_name) as ops:
-        on = isa_name in ("avx512", "amx") and int(T.IQ4_XS) in ops.gguf_int8_types()
-        assert on == (int(T.Q8_0) in ops.gguf_int8_gemv_types())
-        for w, ref, (low, high) in zip(weights, refs, spans):
+        vnni = isa_name in ("avx512", "amx") and int(T.IQ4_XS) in ops.gguf_int8_types()
+        avx2 = isa_name == "avx2" and int8_ops(isa_name) is not None
+        assert vnni == (int(T.IQ4_XS) in ops.gguf_int8_gemv_types())
+        assert vnni or avx2 == (int(T.Q8_0) in ops.gguf_int8_gemv_types())
+        assert avx2 == (int(T.Q4_1) in ops.gguf_int8_gemv_types())
+        for w, ref, (low, high), on in zip(weights, refs, spans, [vnni, vnni, vnni or avx2, avx2]):
             choice = kernel_choice(ops, torch.float32, w.qtypes)
             for m in (1, 2, 3, 4, 5, 8, 256, 300):
                 int8 = on and low <= m <= high

@@ -9,7 +9,8 @@
 //   gguf_int8_types(vnni?) -> the GGML types gemm_gguf_int8 multiplies in this build on this CPU (empty:
 //     none), with the dot products `vnni` picks as above
 //   gguf_int8_gemv_types() -> the types whose 1-4 rows of x take a few-row kernel (gguf_int8_gemv.h: Q4_K,
-//     Q5_K, Q6_K in the avx2, avx512 and amx builds, and Q8_0, IQ4_XS on CPUs with AVX512-VNNI; baseline: none)
+//     Q5_K, Q6_K in the avx2, avx512 and amx builds; Q4_1 and Q8_0 in the avx2 build; Q8_0, IQ4_XS in the
+//     avx512 and amx builds on CPUs with AVX512-VNNI; baseline: none)
 // model/layers/gguf_quant.py's kernel_choice decides when it runs.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -60,8 +61,10 @@ void run(const int8::Args& a, bool vnni, bool invariant) {
 // The types gemm_gguf_int8 runs through the few-row kernel (gguf_int8_gemv.h) for 1 to 4 rows of x.
 std::vector<int64_t> gguf_int8_gemv_types() {
 #if defined(PAGEDSERVE_GGUF_INT8)
-  if (int8::cpu_has_vnni()) return {kQ4_K, kQ5_K, kQ6_K, kQ8_0, kIQ4_XS};
-  return {kQ4_K, kQ5_K, kQ6_K};
+  std::vector<int64_t> out;
+  for (int64_t t : {kQ4_0, kQ4_1, kQ5_0, kQ5_1, kQ8_0, kQ4_K, kQ5_K, kQ6_K, kIQ4_XS})
+    if (int8::gemv::has_row_kernel(t, int8::cpu_has_vnni())) out.push_back(t);
+  return out;
 #else
   return {};
 #endif
@@ -72,17 +75,20 @@ at::Tensor gemm_gguf_int8(const at::Tensor& x, const at::Tensor& w, int64_t type
   constexpr const char* op = "gemm_gguf_int8";
   at::Tensor bias32;
   const int64_t k = check_gemm(x, w, type, bias, op, bias32), n = w.size(0), m = x.size(0);
-  const std::vector<int64_t> types = gguf_int8_types(c10::nullopt);
-  TORCH_CHECK(std::find(types.begin(), types.end(), type) != types.end(), op, ": GGML type ", type,
-              " has no int8 kernel in the ", pagedserve::compiled_isa(), " build");
   at::Tensor y = at::empty({m, n}, x.options());
 #if defined(PAGEDSERVE_GGUF_INT8)
   const bool has_vnni = int8::cpu_has_vnni();
   TORCH_CHECK(!vnni.value_or(false) || has_vnni, op, ": this CPU has no AVX512-VNNI");
-  if (m == 0 || n == 0) return y;
   const bool use_vnni = vnni.value_or(has_vnni);
+  // a type may have the few-row kernel only (Q4_1, Q8_0 on avx2): then only for 1-4 rows, never batch-invariant
+  const bool few_rows = !invariant && int8::gemv::takes(type, std::max<int64_t>(m, 1), use_vnni);
+  const std::vector<int64_t> types = int8::types(use_vnni);
+  TORCH_CHECK(few_rows || std::find(types.begin(), types.end(), type) != types.end(), op, ": GGML type ", type,
+              " has no int8 kernel in the ", pagedserve::compiled_isa(), " build",
+              int8::gemv::takes(type, 1, use_vnni) ? " beyond the few-row kernel's 1-4 rows of x" : "");
+  if (m == 0 || n == 0) return y;
   const bool bf16 = x.scalar_type() == at::kBFloat16;
-  if (!invariant && int8::gemv::takes(type, m, use_vnni)) {  // single-stream decode
+  if (few_rows) {  // single-stream decode
     const float* xf = bf16 ? nullptr : x.data_ptr<float>();
     const c10::BFloat16* xb = bf16 ? x.data_ptr<c10::BFloat16>() : nullptr;
     const float* bp = bias32.defined() ? bias32.data_ptr<float>() : nullptr;
@@ -126,7 +132,8 @@ at::Tensor gemm_gguf_int8(const at::Tensor& x, const at::Tensor& w, int64_t type
   }
 #undef PAGEDSERVE_INT8_CASE
 #else
-  (void)vnni, (void)k, (void)invariant;
+  (void)vnni, (void)k, (void)invariant, (void)m, (void)n;
+  TORCH_CHECK(false, op, ": GGML type ", type, " has no int8 kernel in the ", pagedserve::compiled_isa(), " build");
 #endif
   return y;
 }

@@ -32,12 +32,6 @@ constexpr int64_t kMaxRows = 4, kLongRow = 4096;
 // ahead on the EPYC, and from 0 to 16 KB ahead on the Xeon (one run or 4 side by side).
 constexpr int64_t kAhead = 2048;
 
-// The k-quants' quants are below 64, so vpmaddubsw's pair sums fit int16: no VNNI needed.
-inline bool takes(int64_t type, int64_t m, bool vnni) {
-  const bool k_quant = type == kQ4_K || type == kQ5_K || type == kQ6_K;
-  return m >= 1 && m <= kMaxRows && (k_quant || (vnni && (type == kQ8_0 || type == kIQ4_XS)));
-}
-
 // Sums of x's quants kept per group: per 16 for Q6_K (its scales' runs), else per 32.
 template <int64_t T>
 constexpr int kSums = T == kQ6_K ? 16 : 8;
@@ -63,6 +57,11 @@ struct Args {
 #endif
 
 namespace pagedserve::gguf::int8::gemv {
+
+// Whether m rows of x of this type take the few-row kernel (has_row_kernel: the ISA header's types).
+inline bool takes(int64_t type, int64_t m, bool vnni) {
+  return m >= 1 && m <= kMaxRows && has_row_kernel(type, vnni);
+}
 
 // One row of k float32 values (k a multiple of 32) into int8 quants q, per group its dx and the sums of its
 // quants per 256 / kSums in x's order (sums): the same quants as quantize_row.
@@ -90,9 +89,8 @@ inline void quantize(const float* x, int64_t k, int8_t* q, float* d, int32_t* su
 template <int64_t T, typename Out>
 void gemm(const float* x, const c10::BFloat16* xb, int64_t x_stride, int64_t m, int64_t k, const uint8_t* w,
           int64_t n, int64_t row_bytes, const float* bias, void* y, bool vnni) {
-  // Q8_0's and IQ4_XS's unsigned values need vpdpbusd (takes() never sends them here without VNNI)
-  TORCH_CHECK(vnni || T == kQ4_K || T == kQ5_K || T == kQ6_K, "gemm_gguf_int8: GGML type ", T,
-              " needs avx512_vnni in the few-row kernel");
+  TORCH_CHECK(has_row_kernel(T, vnni), "gemm_gguf_int8: GGML type ", T, " has no few-row kernel in this build",
+              vnni ? "" : " without AVX512-VNNI");
   const int64_t groups = (k + kGroup - 1) / kGroup;
   // rows of x 64 bytes further apart than k: at k = 8192 rows a multiple of 4 KB apart made 3-4 rows 2-3x slower
   const int64_t stride = groups * kGroup + 64;
@@ -135,6 +133,7 @@ void gemm_any(const float* x, const c10::BFloat16* xb, int64_t x_stride, int64_t
 inline void run(int64_t type, const float* x, const c10::BFloat16* xb, int64_t x_stride, int64_t m, int64_t k,
                 const uint8_t* w, int64_t n, int64_t row_bytes, const float* bias, void* y, bool vnni) {
   switch (type) {
+    case kQ4_1: return gemm_any<kQ4_1>(x, xb, x_stride, m, k, w, n, row_bytes, bias, y, vnni);
     case kQ4_K: return gemm_any<kQ4_K>(x, xb, x_stride, m, k, w, n, row_bytes, bias, y, vnni);
     case kQ5_K: return gemm_any<kQ5_K>(x, xb, x_stride, m, k, w, n, row_bytes, bias, y, vnni);
     case kQ6_K: return gemm_any<kQ6_K>(x, xb, x_stride, m, k, w, n, row_bytes, bias, y, vnni);

@@ -14,11 +14,18 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "gguf_blocks.h"
 
 namespace pagedserve::gguf::int8::gemv {
+
+// The types of the row kernel below: the k-quants, whose quants are below 64 (vpmaddubsw's pair sums fit
+// int16), Q4_1 (quants 0..15) and Q8_0 (signed quants: |q| times x with q's sign, as llama.cpp's AVX2 dot).
+constexpr bool has_row_kernel(int64_t type, bool) {
+  return type == kQ4_K || type == kQ5_K || type == kQ6_K || type == kQ4_1 || type == kQ8_0;
+}
 
 // Where x's run of 16 number j (of a group's 16) is stored within its group: x's own order.
 template <int64_t T>
@@ -41,7 +48,9 @@ struct Acc {
 template <int64_t T, int MR, typename Out>
 struct RowKernel {
   using Acc = gemv::Acc<MR>;
-  static constexpr int64_t kGroupBytes = Format<T>::kBytes;
+  // blocks of 32 (Q4_1, Q8_0): 8 of them per group of x
+  static constexpr bool kBlocks32 = Format<T>::kElems == 32;
+  static constexpr int64_t kGroupBytes = kBlocks32 ? 8 * Format<T>::kBytes : Format<T>::kBytes;
   const Args& a;
 
   // isum[r] += the vector's quants w . x's 32 values at xoff, times the int16 scales sc
@@ -60,6 +69,7 @@ struct RowKernel {
     const __m256i low4 = _mm256_set1_epi8(15);
     __m256i isum[MR];
     for (int r = 0; r < MR; ++r) isum[r] = _mm256_setzero_si256();
+    if constexpr (kBlocks32) return add_blocks32(acc, b, g);
     float d;
     if constexpr (T == kQ4_K || T == kQ5_K) {
       const __m128i sm = k4_scales_mins(b);  // bytes 0..7: the sub-blocks' scales, 8..15: their mins
@@ -128,6 +138,46 @@ struct RowKernel {
       acc.q[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_set1_ps(d * a.d[r * a.groups + g]), acc.q[r]);
   }
 
+  // Q4_1 (w = d q + m), Q8_0 (w = d q): the group's blocks (fewer than 8 in a row's last group), each block's
+  // 8 int32 lanes of q . x times its d into a float vector, times dx; Q4_1's m times x's sum per 32 beside it.
+  [[gnu::always_inline]] void add_blocks32(Acc& acc, const uint8_t* b, int64_t g) const {
+    constexpr int64_t B = Format<T>::kBytes;
+    const int blocks = static_cast<int>(std::min<int64_t>(8, a.k / 32 - 8 * g));
+    const __m256i low4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+    __m256 f[MR];
+    for (int r = 0; r < MR; ++r) f[r] = _mm256_setzero_ps();
+    alignas(32) float m[8] = {};
+    for (int j = 0; j < 8 && j < blocks; ++j) {
+      const uint8_t* blk = b + j * B;
+      const __m256 dj = _mm256_set1_ps(f16(blk));
+      __m256i w, sign;
+      if constexpr (T == kQ4_1) {
+        m[j] = f16(blk + 2);
+        // byte i: weight i (low nibble), weight i + 16 (high)
+        const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4));
+        w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), low4);
+      } else {
+        sign = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
+        w = _mm256_sign_epi8(sign, sign);  // |q|
+      }
+      for (int r = 0; r < MR; ++r) {
+        __m256i x = _mm256_load_si256(reinterpret_cast<const __m256i*>(a.q + r * a.stride + g * kGroup + 32 * j));
+        if constexpr (T == kQ8_0) x = _mm256_sign_epi8(x, sign);
+        const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones);
+        f[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), dj, f[r]);
+      }
+    }
+    for (int r = 0; r < MR; ++r) {
+      const __m256 dx = _mm256_set1_ps(a.d[r * a.groups + g]);
+      acc.q[r] = _mm256_fmadd_ps(f[r], dx, acc.q[r]);
+      if constexpr (T == kQ4_1) {
+        const __m256 sums = _mm256_cvtepi32_ps(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.sums + (r * a.groups + g) * kSums<T>)));
+        acc.q[r] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_load_ps(m), dx), sums, acc.q[r]);
+      }
+    }
+  }
+
   [[gnu::always_inline]] void store(const Acc& acc, int64_t n) const {
     Out* y = static_cast<Out*>(a.y);
     for (int r = 0; r < MR; ++r) y[r * a.n + n] = static_cast<Out>(acc.sum(r) + (a.bias ? a.bias[n] : 0.f));
@@ -136,7 +186,7 @@ struct RowKernel {
 
 template <int64_t T, typename Out>
 [[gnu::noinline]] void rows_plain(const Args& a, int64_t n0, int64_t n1) {
-  if constexpr (T == kQ4_K || T == kQ5_K || T == kQ6_K) {
+  if constexpr (has_row_kernel(T, false)) {
     switch (a.m) {
       case 1: return streamed_rows(RowKernel<T, 1, Out>{a}, n0, n1, a.groups);
       case 2: return streamed_rows(RowKernel<T, 2, Out>{a}, n0, n1, a.groups);

@@ -21,6 +21,12 @@
 
 namespace pagedserve::gguf::int8::gemv {
 
+// The types of the row kernel below: the k-quants (quants below 64, so vpmaddubsw's pair sums fit int16) and,
+// with VNNI's vpdpbusd, Q8_0's and IQ4_XS's unsigned values.
+constexpr bool has_row_kernel(int64_t type, bool vnni) {
+  return type == kQ4_K || type == kQ5_K || type == kQ6_K || (vnni && (type == kQ8_0 || type == kIQ4_XS));
+}
+
 // Where x's run of 16 number j (of a group's 16) is stored within its group. Q4_K / Q5_K: a 64-byte load of
 // nibbles holds weights 0..31 and 64..95 (low nibbles) and 32..63 and 96..127 (high nibbles) of its 128, so the
 // runs of 32 go in the order 0 2 1 3 4 6 5 7. IQ4_XS: a 64-byte load holds sub-blocks 4h..4h+3 (one per 128-bit
@@ -252,12 +258,12 @@ template <int64_t T, class Dot, typename Out>
 
 template <int64_t T, typename Out>
 [[gnu::noinline]] void rows_plain(const Args& a, int64_t n0, int64_t n1) {
-  if constexpr (T == kQ4_K || T == kQ5_K || T == kQ6_K) rows_any<T, DotPlain, Out>(a, n0, n1);
+  if constexpr (has_row_kernel(T, false)) rows_any<T, DotPlain, Out>(a, n0, n1);
 }
 
 template <int64_t T, typename Out>
 [[gnu::noinline, gnu::target("avx512vnni")]] void rows_vnni(const Args& a, int64_t n0, int64_t n1) {
-  rows_any<T, DotVnni, Out>(a, n0, n1);
+  if constexpr (has_row_kernel(T, true)) rows_any<T, DotVnni, Out>(a, n0, n1);
 }
 
 }  // namespace pagedserve::gguf::int8::gemv

@@ -29,9 +29,10 @@ csrc/gguf_int8_tiles.h), as llama.cpp does; results differ from the float kernel
 sum |w| * dx / 2 per output). Where the variant also has the few-row int8 kernel for every type of the weight
 (csrc/gguf_int8_gemv.h, gguf_int8_gemv_types(): the k-quants on avx2, avx512, amx), int8 starts at 1 row
 (single-stream decode).
-Q5_0 / Q5_1 weights take it for INT8_Q5_ROWS rows on avx512 / amx, IQ4_XS from 1 row and Q8_0 for INT8_Q8_ROWS
-(avx512 / amx on CPUs with VNNI: csrc/gguf_int8_gemv.h at 1-4 rows); a weight of several types takes it for
-the rows where all of them do. PAGEDSERVE_GGUF_INT8=0 keeps the float kernels.
+Q5_0 / Q5_1 weights take it for INT8_Q5_ROWS rows on avx512 / amx, IQ4_XS from 1 row, Q8_0 for INT8_BLOCK32_ROWS
+(avx512 / amx on CPUs with VNNI: csrc/gguf_int8_gemv.h at 1-4 rows) and on avx2 Q4_1 and Q8_0 for
+INT8_BLOCK32_ROWS; a weight of several types takes it for the rows where all of them do. PAGEDSERVE_GGUF_INT8=0
+keeps the float kernels.
 
 From BF16_MIN_ROWS rows of x (prefill; BF16_MIN_ROWS_AMX on CPUs with AMX), weights whose every type is in
 BF16_TYPES take gemm_gguf_bf16 instead where the CPU has bf16 dot products (AVX512-BF16 or AMX: gguf_bf16_types()
@@ -114,9 +115,12 @@ INT8_IQ4_MIN_ROWS = 8
 # Q8_0 at 1-2 rows through the same few-row kernel (gguf_int8_gemv.h: llama.cpp's q8_0 x q8_0 dot; avx512 /
 # amx on CPUs with VNNI): same measurements, int8 over gemm_gguf at 1 row 0.8-1.5x (median 1.15, 5 shapes x
 # 2 runs), 2 rows median 1.06, 4 rows median 0.98 (down_proj 0.5: its 8,192 inputs take 2 rows per pass); more
-# rows keep the float kernels (gguf_int8.h's driver mixed there).
-INT8_Q8_TYPES = (8,)
-INT8_Q8_ROWS = (1, 2)
+# rows keep the float kernels (gguf_int8.h's driver mixed there). On avx2 the few-row kernel has Q4_1 and Q8_0
+# (no VNNI: vpmaddubsw with Q8_0's signs moved onto x), the embedded SmolLM2's types: 1 row at 0.62-0.86x
+# gemm_gguf's time, 2 rows 0.68-0.76x (2-core AVX2 EPYC, weights cold, 1 and 2 threads: its Q8_0 LM head
+# 49152 x 576 and gate_up_proj 3072 x 576 Q4_1), 4 rows even (benchmarks/gguf_gemv.py --model smollm).
+INT8_BLOCK32_TYPES = (3, 8)
+INT8_BLOCK32_ROWS = (1, 2)
 # The types gemm_gguf_bf16 takes from BF16_MIN_ROWS rows of x on, where gguf_bf16_types() has them. Llama-1B
 # shapes, Q4_K and Q6_K, 1 thread, CPU time per call, 2-core EPYC Zen 4 at load 11-17 (benchmarks/README.md,
 # results/gguf_gemv_prefill_bf16_t1.json): over the int8 tiles 0.7-1.1x at 128 rows, 0.99-1.35x at 512 (down_proj
@@ -278,12 +282,14 @@ class KernelChoice:
     int8_max_rows: int = 0
     int8_min_rows: int = INT8_MIN_ROWS
     bf16_min_rows: int = 0
+    # batch-invariant int8 needs gguf_int8.h's driver at every m, which avx2 lacks for Q8_0 (few-row kernel only)
+    int8_invariant: bool = True
 
     def path(self, m: int, invariant: bool = False) -> str:
         # "bf16", "int8", "gemv", "amx" or "tiles" for m rows of x; batch-invariant: one row-independent kernel
         # at every m
         if invariant:
-            return "int8" if self.int8_max_rows else "gemv"
+            return "int8" if self.int8_max_rows and self.int8_invariant else "gemv"
         if 0 < self.bf16_min_rows <= m:
             return "bf16"
         if self.int8_min_rows <= m <= self.int8_max_rows:
@@ -319,8 +325,8 @@ def _int8_rows(ops, dtype: torch.dtype, qtype: int) -> tuple[int, int] | None:
         return INT8_Q5_ROWS
     if qtype in _int8_iq4_types(ops):
         return INT8_GEMV_MIN_ROWS if qtype in _int8_gemv_types(ops) else INT8_IQ4_MIN_ROWS, high
-    if qtype in INT8_Q8_TYPES and qtype in _int8_gemv_types(ops):
-        return INT8_Q8_ROWS
+    if qtype in INT8_BLOCK32_TYPES and qtype in _int8_gemv_types(ops):
+        return INT8_BLOCK32_ROWS
     return None
 
 
@@ -338,9 +344,10 @@ def _kernel_choice(ops, dtype: torch.dtype, qtypes: tuple[int, ...], int8_allowe
     if None not in spans and max(lo for lo, _ in spans) <= min(hi for _, hi in spans):
         # every part's type takes int8 for these rows (each part runs its own call: _by_parts)
         low, int8 = max(lo for lo, _ in spans), min(hi for _, hi in spans)
+    invariant = all(t in ops.gguf_int8_types() for t in qtypes)
     if not _has_decode_kernel(ops):
-        return KernelChoice(PORTABLE_MAX_ROWS, amx, int8, low, bf16)
-    return KernelChoice(DECODE_MAX_ROWS_AMX if amx else DECODE_MAX_ROWS, amx, int8, low, bf16)
+        return KernelChoice(PORTABLE_MAX_ROWS, amx, int8, low, bf16, invariant)
+    return KernelChoice(DECODE_MAX_ROWS_AMX if amx else DECODE_MAX_ROWS, amx, int8, low, bf16, invariant)
 
 
 def gguf_linear(x: torch.Tensor, w: GGUFWeight, bias: torch.Tensor | None,
