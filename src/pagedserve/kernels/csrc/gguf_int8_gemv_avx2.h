@@ -1,5 +1,6 @@
 // gguf_int8_gemv.h's row kernel for the avx2 build (AVX2 + FMA + F16C, no VNNI): the k-quants (Q4_K, Q5_K,
-// Q6_K), whose quants are below 64, so vpmaddubsw's pair sums fit int16. Included by gguf_int8_gemv.h only.
+// Q6_K), whose quants are below 64, so vpmaddubsw's pair sums fit int16, and the blocks of 32 of Q4_1 and Q8_0
+// (add_blocks32). Included by gguf_int8_gemv.h only.
 //
 // A 32-byte load of a block's nibbles holds 64 weights in order (low nibbles the first 32, high nibbles the
 // next 32; Q6_K's 32 bytes of ql the same with its high bits from qh), so x stays in its own order (run_at)
