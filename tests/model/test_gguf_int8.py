@@ -282,7 +282,7 @@ def test_dispatcher_picks_int8_for_iq4_xs_q8_0_and_q4_1(isa_name: str, monkeypat
         vnni = isa_name in ("avx512", "amx") and int(T.IQ4_XS) in ops.gguf_int8_types()
         avx2 = isa_name == "avx2" and int8_ops(isa_name) is not None
         assert vnni == (int(T.IQ4_XS) in ops.gguf_int8_gemv_types())
-        assert vnni or avx2 == (int(T.Q8_0) in ops.gguf_int8_gemv_types())
+        assert (vnni or avx2) == (int(T.Q8_0) in ops.gguf_int8_gemv_types())
         assert avx2 == (int(T.Q4_1) in ops.gguf_int8_gemv_types())
         for w, ref, (low, high), on in zip(weights, refs, spans, [vnni, vnni, vnni or avx2, avx2]):
             choice = kernel_choice(ops, torch.float32, w.qtypes)
