@@ -282,7 +282,8 @@ class KernelChoice:
     int8_max_rows: int = 0
     int8_min_rows: int = INT8_MIN_ROWS
     bf16_min_rows: int = 0
-    # batch-invariant int8 needs gguf_int8.h's driver at every m, which avx2 lacks for Q8_0 (few-row kernel only)
+    # batch-invariant int8 runs gguf_int8.h's driver at every m; without VNNI it has no Q8_0 and its Q4_1 is slower
+    # than gemm_gguf (AVX2 EPYC, 3072 x 576: 1.6x at 1 row, 1.1x at 16 and 256), so there blocks of 32 keep gemm_gguf
     int8_invariant: bool = True
 
     def path(self, m: int, invariant: bool = False) -> str:
@@ -344,7 +345,7 @@ def _kernel_choice(ops, dtype: torch.dtype, qtypes: tuple[int, ...], int8_allowe
     if None not in spans and max(lo for lo, _ in spans) <= min(hi for _, hi in spans):
         # every part's type takes int8 for these rows (each part runs its own call: _by_parts)
         low, int8 = max(lo for lo, _ in spans), min(hi for _, hi in spans)
-    invariant = all(t in ops.gguf_int8_types() for t in qtypes)
+    invariant = bool(ops.gguf_int8_types(True)) or not any(t in INT8_BLOCK32_TYPES for t in qtypes)
     if not _has_decode_kernel(ops):
         return KernelChoice(PORTABLE_MAX_ROWS, amx, int8, low, bf16, invariant)
     return KernelChoice(DECODE_MAX_ROWS_AMX if amx else DECODE_MAX_ROWS, amx, int8, low, bf16, invariant)
