@@ -4,6 +4,7 @@
     front-end (engine/async_engine.py) --AddRequests, FinishRequests, TakeKVSnapshot, AddFinishedHook, ClearWarmup-->
                                         the engine thread, which calls the core's method of the same name
     front-end (engine/output_processor.py) <--EngineCoreOutput--  engine core
+    engine core --Arrivals.take(), .emit(outputs)--> front-end, between the layers of a step (urgent steps)
     engine core --SchedulerOutput (core/scheduler_output.py)--> executor -> workers
     engine core <--ModelRunnerOutput (core/scheduler_output.py)-- executor
 
@@ -22,6 +23,7 @@ from pagedserve.sampling_params import SamplingParams
 
 __all__ = ["EngineCoreRequest", "EngineCoreOutput", "SampledLogprobs", "ModelRunnerOutput", "PromptLogprobsChunk",
            "AddRequests", "FinishRequests", "TakeKVSnapshot", "AddFinishedHook", "ClearWarmup", "EngineCommand",
+           "Arrivals",
            "EngineError", "RequestConstraintError", "EngineClosedError", "EngineDeadError"]
 
 
@@ -97,6 +99,15 @@ class ClearWarmup:
 
 
 EngineCommand = AddRequests | FinishRequests | TakeKVSnapshot | AddFinishedHook | ClearWarmup
+
+
+@dataclass(frozen=True, slots=True)
+class Arrivals:
+    # The front-end's side of urgent steps (engine/urgent_steps.py), called on the engine thread between the layers of
+    # a step: take() adds the requests that arrived since it started, emit() sends an urgent step's outputs on
+    # before the step ends.
+    take: Callable[[], None]
+    emit: Callable[[list[EngineCoreOutput]], None]
 
 
 def describe_error(exc: BaseException) -> str:

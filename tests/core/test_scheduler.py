@@ -107,23 +107,46 @@ def check_invariants(sched):
         assert block.block_hash == h
 
 
-def drive(sched, rng, reqs, abort_prob):
+def drive(sched, rng, reqs, abort_prob, mid_step=(), mid_step_prob=0.2) -> list:
+    # mid_step: requests that arrive while a step that computes prompts is in flight (one in such a step with
+    # probability mid_step_prob; those left when all else is done arrive as the others do). The engine core then
+    # asks for urgent plans between the step's layers (Scheduler.schedule_urgent) and runs them before it ends.
+    # Returns those that ran.
     worker = WorkerMirror(sched)
-    pending = list(reqs)
-    while pending or sched.has_unfinished():
+    pending, later, urgent_plans = list(reqs), list(mid_step), []
+    while pending or later or sched.has_unfinished():
+        if not pending and not sched.has_unfinished():
+            pending, later = later, []
         for _ in range(rng.randint(0, 4)):
             if pending:
                 sched.add_request(pending.pop())
         if sched.requests and rng.random() < abort_prob:
             sched.finish_request(rng.choice(list(sched.requests)), RequestStatus.FINISHED_ABORTED)
-        plan, _ = worker.step(token=rng.randint(3, 50))
+        token = rng.randint(3, 50)
+        plan, scheduled = worker.schedule()
+        num_urgent = 0
+        if later and plan.num_scheduled_prompt_tokens and rng.random() < mid_step_prob:
+            sched.add_request(later.pop())
+            for _ in range(2):  # asked at two layers
+                in_flight = {r: sched.requests[r].priority for r in plan.num_scheduled_tokens}
+                urgent = sched.schedule_urgent(plan)
+                if urgent is None:
+                    continue
+                assert not urgent.preempted_req_ids and not set(urgent.num_scheduled_tokens) & set(in_flight)
+                # each admitted request outranks the whole step: a strictly smaller priority
+                assert all(sched.requests[r].priority < min(in_flight.values()) for r in urgent.num_scheduled_tokens)
+                sched.update(urgent, fake_run(worker.apply(urgent), token))
+                num_urgent += len(urgent.num_scheduled_tokens)
+                urgent_plans.append(urgent)
+        sched.update(plan, fake_run(scheduled, token))
         assert plan.total_num_scheduled_tokens <= sched.config.max_num_batched_tokens
-        assert len(sched.running) <= sched.config.max_num_seqs
+        assert len(sched.running) <= sched.config.max_num_seqs + num_urgent
         check_invariants(sched)
     assert sched.kv.pool.num_free_blocks == sched.kv.num_blocks
     assert not sched.kv.req_blocks
     worker.schedule()                  # the last finished ids: the worker then holds nothing
     assert not worker.tokens
+    return urgent_plans
 
 
 def test_thousand_random_requests_return_every_block():

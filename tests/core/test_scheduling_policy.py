@@ -8,7 +8,7 @@ from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.request import RequestStatus
 from pagedserve.core.scheduler import Scheduler
 from pagedserve.core.scheduling_policy import TURN_STEPS
-from tests.core.helpers import WorkerMirror, make_request
+from tests.core.helpers import WorkerMirror, fake_run, make_request
 from tests.core.test_scheduler import drive
 
 
@@ -275,3 +275,61 @@ def test_random_priorities_keep_invariants(mode):
         reqs.append(r)
     drive(sched, rng, reqs, abort_prob=0.05)
     assert sched.num_preemptions_total > 0
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_random_urgent_steps_keep_invariants(mode):
+    # A low-priority load (priority 3) and urgent requests (priority -1..1) arriving while steps that compute
+    # prompts are in flight, which ask for urgent plans between their layers (drive's mid_step): the blocks and
+    # the worker's view stay right, and urgent plans do run.
+    rng = random.Random(2)
+    sched = make_scheduler("priority", num_blocks=48, max_num_seqs=4, budget=24, aging=100, mode=mode)
+    load = [req(f"l{i}", rng.randint(1, 40), rng.randint(1, 30), priority=3, client=rng.choice([None, "A"]))
+            for i in range(200)]
+    urgent = [req(f"u{i}", rng.randint(1, 30), rng.randint(1, 10), priority=rng.randint(-1, 1)) for i in range(40)]
+    ran = drive(sched, rng, load, abort_prob=0.05, mid_step=urgent)
+    assert sum(bool(p.num_scheduled_tokens) for p in ran) >= 15
+
+
+def test_an_urgent_request_runs_between_the_layers_of_a_step():
+    # A step prefills l1 and l2 (priority 5, the batch full); h (priority 0) arrives while it runs. Its urgent
+    # plan holds h alone, beside the step, which it does not touch; the next step pauses l2, the least urgent,
+    # to bring the batch back to max_num_seqs.
+    sched = make_scheduler("priority", max_num_seqs=2)
+    sched.add_request(req("l1", prompt_len=20, max_tokens=20, priority=5))
+    sched.add_request(req("l2", prompt_len=20, max_tokens=20, priority=5))
+    worker = WorkerMirror(sched)
+    plan, scheduled = worker.schedule()
+    assert plan.num_scheduled_tokens == {"l1": 20, "l2": 20}
+    assert sched.schedule_urgent(plan) is None  # nothing waits
+    sched.add_request(req("m", max_tokens=20, priority=5))
+    sched.add_request(req("h", max_tokens=20, priority=0))
+    urgent = sched.schedule_urgent(plan)
+    assert urgent.num_scheduled_tokens == {"h": 4} and not urgent.preempted_req_ids
+    assert [n.req_id for n in urgent.scheduled_new_reqs] == ["h"]
+    sched.update(urgent, fake_run(worker.apply(urgent)))
+    assert sched.requests["h"].output_token_ids == [7]
+    assert sched.schedule_urgent(plan) is None  # m does not outrank the step
+    sched.update(plan, fake_run(scheduled))
+    assert [r.req_id for r in sched.running] == ["l1", "l2", "h"]
+    plan, scheduled = worker.step()
+    assert plan.preempted_req_ids == ["l2"] and plan.num_scheduled_tokens == {"h": 1, "l1": 1}
+    assert sched.requests["l2"].status is RequestStatus.PREEMPTED and "l2" in sched.paused
+
+
+def test_urgent_plans_need_the_priority_policy_and_a_request_outranking_the_whole_step():
+    # Under fcfs never; under priority only a request more urgent than every one in the step (h2 is not more
+    # urgent than h1, which the step computes).
+    for policy in ("fcfs", "priority"):
+        sched = make_scheduler(policy, max_num_seqs=4)
+        sched.add_request(req("l", prompt_len=20, priority=5))
+        sched.add_request(req("h1", prompt_len=20, priority=1))
+        plan, _ = WorkerMirror(sched).schedule()
+        assert set(plan.num_scheduled_tokens) == ({"l", "h1"} if policy == "fcfs" else {"h1"})
+        sched.add_request(req("h2", priority=1))
+        assert sched.schedule_urgent(plan) is None
+        sched.add_request(req("h0", priority=0))
+        urgent = sched.schedule_urgent(plan)
+        assert (urgent is None) == (policy == "fcfs")
+        if urgent is not None:
+            assert list(urgent.num_scheduled_tokens) == ["h0"]

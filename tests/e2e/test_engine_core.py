@@ -24,11 +24,11 @@ def test_a_row_that_raises_inside_a_step_fails_only_its_request(llm, monkeypatch
     expected = {i: o.outputs[0].token_ids for i, o in enumerate(llm.generate(PROMPTS, GREEDY, use_tqdm=False))}
     execute_model = engine.runner.execute_model
 
-    def poisoned(num_scheduled_tokens, draft_probs=None):
+    def poisoned(num_scheduled_tokens, draft_probs=None, between_layers=None):
         # Any step that includes the poisoned request fails, as a bad row inside the batch would.
         if "bad" in num_scheduled_tokens:
             raise RuntimeError("row exploded")
-        return execute_model(num_scheduled_tokens, draft_probs)
+        return execute_model(num_scheduled_tokens, draft_probs, between_layers)
 
     monkeypatch.setattr(engine.runner, "execute_model", poisoned)
     for i, p in enumerate(PROMPTS):
@@ -46,10 +46,10 @@ def test_offline_generate_raises_for_a_failed_request(llm, monkeypatch):
     runner = llm.llm_engine.runner
     execute_model = runner.execute_model
 
-    def failing(num_scheduled_tokens, draft_probs=None):
+    def failing(num_scheduled_tokens, draft_probs=None, between_layers=None):
         if any(runner.input_batch.requests[r].params.max_tokens == 3 for r in num_scheduled_tokens):
             raise RuntimeError("row exploded")
-        return execute_model(num_scheduled_tokens, draft_probs)
+        return execute_model(num_scheduled_tokens, draft_probs, between_layers)
 
     monkeypatch.setattr(runner, "execute_model", failing)
     with pytest.raises(RequestFailedError, match="row exploded"):

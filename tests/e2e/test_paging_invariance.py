@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 
 from pagedserve import LLM, SamplingParams
+from pagedserve.messages import Arrivals
 
 PROMPTS = [
     "The quick brown fox",
@@ -56,3 +57,37 @@ def test_priority_policy_serves_urgent_first_and_keeps_greedy_outputs(reference)
 def test_priority_needs_the_priority_policy(llm):
     with pytest.raises(ValueError, match="priority scheduling is not enabled"):
         llm.generate("hi", PARAMS, use_tqdm=False, priority=[1])
+
+
+def test_an_urgent_request_runs_between_the_layers_of_a_long_step(reference):
+    # Three prompts at priority 5 fill the batch (max_num_seqs=3) and prefill in one step; an urgent prompt
+    # (priority 0) arrives at that step's first layer boundary (the asyncio front-end's Arrivals, played here)
+    # and runs its own step right there: its first token is out before the long step ends. The next step pauses
+    # the least urgent to bring the batch back to 3. Every answer stays the one computed alone.
+    llm = LLM(kv_cache_memory_bytes=16 << 20, scheduling_policy="priority", max_num_seqs=3)
+    engine = llm.llm_engine
+    outputs, asked = {}, []
+
+    def collect(request_outputs):
+        outputs.update((o.request_id, o) for o in request_outputs)
+
+    def take():  # between two layers of a step
+        asked.append(engine.scheduler.waiting.now)
+        if len(asked) == 1:
+            engine.add_request("urgent", PROMPTS[3], PARAMS, priority=0)
+
+    engine.core.arrivals = Arrivals(take, lambda outs: collect(engine.output_processor.process_outputs(outs)
+                                                               .request_outputs))
+    for i in range(3):
+        engine.add_request(f"low{i}", PROMPTS[i], PARAMS, priority=5)
+    first = engine.step()
+    assert len(outputs["urgent"].outputs[0].token_ids) == 1  # emitted inside the step
+    assert sorted(o.request_id for o in first) == ["low0", "low1", "low2"]
+    num_layers = engine.core.hf_config.num_hidden_layers
+    assert len(asked) == num_layers - 1 and asked[0] == 1  # every layer boundary of the first step
+    collect(first)
+    while engine.has_unfinished_requests():
+        collect(engine.step())
+    assert engine.scheduler.num_preemptions_total >= 1  # the pause back to max_num_seqs
+    assert [outputs[r].outputs[0].token_ids for r in ("low0", "low1", "low2", "urgent")] == reference[:4]
+    assert engine.kv.pool.num_free_blocks == engine.kv.num_blocks

@@ -38,12 +38,13 @@ def _model(tmp_path, qtypes: dict, dtype: torch.dtype, backend: str = "cpu") -> 
     return model
 
 
-def _forward(model, seqs, caches, tables):
+def _forward(model, seqs, caches, tables, between_layers=None):
     meta = build_attention_metadata(seqs, tables, BLOCK_SIZE)
     gen = torch.Generator().manual_seed(len(seqs))
     ids = torch.randint(0, VOCAB, (sum(q for _, q in seqs),), generator=gen)
     positions = torch.cat([torch.arange(c, c + q) for c, q in seqs])
-    return model.compute_logits(model(ids, positions, caches, meta)), meta, ids, positions
+    hidden = model(ids, positions, caches, meta, between_layers=between_layers)
+    return model.compute_logits(hidden), meta, ids, positions
 
 
 # every linear of one type, or LAYER_TYPES: qkv Q4_K + Q5_K + Q6_K, gate_up Q5_0 + Q5_1, every kernel type;
@@ -101,7 +102,9 @@ def test_stack_runs_bf16_gemm(tmp_path, dtype, monkeypatch) -> None:
 
 
 def _stack_vs_modules(model, dtype: torch.dtype) -> list[bool]:
-    # Per batch of BATCHES: the stack's logits and caches equal the modules'; returns whether the stack ran it.
+    # Per batch of BATCHES: the stack's logits and caches equal the modules', also when either runs a layer at a
+    # time with a call between the layers (an urgent step's place, engine/urgent_steps.py); returns whether the stack
+    # ran it.
     gen = torch.Generator().manual_seed(0)
     caches = [c.copy_(torch.randn(c.shape, generator=gen)) for c in
               allocate_kv_caches(2, NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM, dtype, "cpu")]
@@ -119,6 +122,14 @@ def _stack_vs_modules(model, dtype: torch.dtype) -> list[bool]:
         assert torch.equal(got, want), f"{seqs}: logits differ by {(got - want).abs().max()}"
         for layer, (a, b) in enumerate(zip(stack_caches, caches)):
             assert torch.equal(a, b), f"{seqs}: layer {layer}'s cache differs"
+        for stack in (False, None):  # a layer at a time: the stack's runs, the modules
+            calls: list[int] = []
+            split_caches = [c.clone() for c in caches]
+            model._stack = stack
+            split, *_ = _forward(model, seqs, split_caches, tables, lambda: calls.append(1))
+            assert len(calls) == len(caches) - 1
+            assert torch.equal(split, want), f"{seqs}, stack {stack}: logits differ by {(split - want).abs().max()}"
+            assert all(torch.equal(a, b) for a, b in zip(split_caches, caches))
     return used
 
 

@@ -49,6 +49,12 @@ class FakeCore:
         self.step_gate: threading.Event | None = None  # when set up, each step waits for it
         self.step_s = step_s
         self.batches: list[set[str]] = []  # the requests of each step
+        self.entered = threading.Event()  # set when a step starts
+        # urgent steps (engine/urgent_steps.py): set by the front-end; with take_mid_step each step takes the arrivals
+        # once, as EngineCore does between two layers, and records the requests it then holds
+        self.arrivals = None
+        self.take_mid_step = False
+        self.mid_step_requests: set[str] | None = None
         self.scheduler = SimpleNamespace(stats=self._sched_stats, requests=self.requests)
 
     def _touch(self) -> None:
@@ -82,8 +88,12 @@ class FakeCore:
 
     def step(self) -> list[EngineCoreOutput]:
         self._touch()
+        self.entered.set()
         if self.step_gate is not None:
             self.step_gate.wait()
+        if self.take_mid_step and self.arrivals is not None:
+            self.arrivals.take()
+            self.mid_step_requests = set(self.requests)
         self.batches.append(set(self.requests))
         time.sleep(self.step_s)
         if self.fail_next_step:

@@ -105,6 +105,32 @@ def test_leaving_early_or_cancelling_aborts(fake):
     assert async_engine.snapshot.scheduler.num_running == 0
 
 
+def test_requests_added_during_a_step_enter_it_and_other_commands_wait_for_its_end(fake):
+    # Urgent steps (engine/urgent_steps.py): between the layers of a step the core takes the added requests (an urgent
+    # one may run there), while a finish queued before them waits for the step's end: it must not free blocks
+    # the step is writing.
+    engine, async_engine = fake
+    engine.step_gate = threading.Event()
+    engine.take_mid_step = True
+
+    async def main():
+        await async_engine.add_request("a", PROMPT, SamplingParams(max_tokens=10_000))
+        while not engine.entered.wait(0):  # the engine thread is inside a step, at the gate
+            await asyncio.sleep(0.005)
+        async_engine.abort("a")
+        add_b = asyncio.create_task(async_engine.add_request("b", PROMPT, SamplingParams(max_tokens=1)))
+        while async_engine._commands.qsize() < 2:  # the finish, then the add
+            await asyncio.sleep(0.005)
+        engine.step_gate.set()
+        outs = [o async for o in await add_b]
+        return outs
+
+    outs = asyncio.run(main())
+    assert engine.mid_step_requests == {"a", "b"}  # b entered the step in flight; a's finish had to wait
+    assert outs[-1].finished and outs[-1].outputs[0].token_ids == [0]
+    assert "a" in engine.aborted and not engine.requests
+
+
 def test_shutdown_fails_in_flight_and_refuses_new_work():
     engine = FakeCore()
     async_engine = AsyncLLMEngine(engine)

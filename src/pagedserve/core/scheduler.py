@@ -18,6 +18,12 @@ position, a shorter one with its short factors (model/layers/rotary.py), as tran
 request grows past the switch, its K/V (computed with the short factors) is dropped and computed again, as a
 preemption by recompute; the worker picks the factors from the request's length, which the plan gives it.
 
+Urgent steps (priority policy): while a step computes prompts, the engine core asks between its layers for a plan
+of the waiting requests that outrank every request in it (schedule_urgent) and runs it there, so an urgent
+prompt waits for one layer of a long low-priority step instead of all of it. That plan admits only such
+requests, beside the batch and without touching the step in flight, so the batch may hold more than
+max_num_seqs until the next step, which pauses the least urgent requests above it.
+
 Plans describe requests to the worker by difference (core/plan_builder.py).
 """
 from __future__ import annotations
@@ -55,6 +61,8 @@ class Scheduler:
         self.num_preemptions_total = 0
         self._finished_since_plan: list[str] = []
         self.views = WorkerViews()
+        # While schedule_urgent plans: the requests of the step in flight, which every admitted one outranks.
+        self._in_flight: list[Request] | None = None
 
     @property
     def capacity_tokens(self) -> int:
@@ -97,6 +105,10 @@ class Scheduler:
         preempted: list[str] = []
         self.waiting.now += 1
         self.policy.order_running(self.running)
+        while len(self.running) > self.config.max_num_seqs:  # urgent steps added to a full batch: back to size
+            victim = self.running.pop()
+            self._preempt(victim, pause=True)
+            preempted.append(victim.req_id)
         num_admissible = min(len(self.waiting), self.config.max_num_seqs - len(self.running))
         budget = step_budget = token_budget.step_budget(self.config, self.running, num_admissible)
         self._preempt_for_waiting(preempted, budget)
@@ -154,7 +166,7 @@ class Scheduler:
         while (len(preempted) == num_preempted_for_waiting and self.waiting and budget > 0
                and len(self.running) < self.config.max_num_seqs):
             req = self.waiting.peek()
-            if req.req_id in preempted:
+            if req.req_id in preempted or (self._in_flight is not None and not self._outranks_all(req)):
                 break
             if (self.policy.holds_back(lead, req) and req.num_tokens - req.num_computed_tokens > 1
                     and req.req_id not in self.fork_source):  # a fork computes one token
@@ -216,6 +228,25 @@ class Scheduler:
                                step_budget - budget, preempted, finished,
                                self.kv.take_block_ops(), plan.num_prompt_tokens, plan.num_sampling_reqs,
                                plan.spec_tokens)
+
+    def schedule_urgent(self, in_flight: SchedulerOutput) -> SchedulerOutput | None:
+        """Between the layers of the step in flight (in_flight, not updated yet): a plan of the waiting requests
+        that outrank every request it computes, or None when the queue's head does not. The plan leaves the step's
+        requests (and every other running one) alone: it admits urgent requests beside them."""
+        if not self.policy.preempts_for_waiting or not self.waiting:
+            return None
+        self._in_flight = [self.requests[r] for r in in_flight.num_scheduled_tokens if r in self.requests]
+        running, self.running = self.running, []
+        try:
+            if not self._outranks_all(self.waiting.peek()):
+                return None
+            return self.schedule()
+        finally:
+            self.running = running + self.running
+            self._in_flight = None
+
+    def _outranks_all(self, req: Request) -> bool:
+        return all(self.policy.outranks(req, r, self.waiting.now) for r in self._in_flight)
 
     def _lead(self, lead: Request | None, req: Request) -> Request:
         # The most urgent of the requests whose prompts this step computes.

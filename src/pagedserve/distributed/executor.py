@@ -100,6 +100,8 @@ def _stop_workers(procs: list, conns: list[Connection]) -> None:
 
 
 class MultiprocExecutor(Executor):
+    runs_between_layers = False  # every rank would have to run the same other plan at the same layer
+
     def __init__(self, config: EngineConfig, device: torch.device) -> None:
         par = config.parallel
         if torch.distributed.is_initialized():
@@ -189,7 +191,10 @@ class MultiprocExecutor(Executor):
         # Only rank 0 samples: the grammar bitmask (KBs a constrained request) stays here.
         self._plan = plan if plan.grammar is None else dataclasses.replace(plan, grammar=None)
 
-    def execute_model(self, num_scheduled_tokens: dict[str, int], propose_drafts: bool = True) -> ModelRunnerOutput:
+    def execute_model(self, num_scheduled_tokens: dict[str, int], propose_drafts: bool = True,
+                      between_layers=None) -> ModelRunnerOutput:
+        if between_layers is not None:
+            raise ValueError("tensor-parallel steps do not run other plans between their layers")
         # Every worker runs the step (with the plan applied on rank 0 since the last one; a call without a new
         # plan, the core isolating a failing request, sends only the ids), rank 0 here; then the ranks must agree.
         plan, self._plan = self._plan, None

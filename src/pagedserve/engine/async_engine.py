@@ -10,7 +10,9 @@ detokenized on the event loop, and only token ids cross to and from the core:
       -> per-request OutputStream (deltas merged while the client lags: memory stays O(output))
     stop string / close() / disconnect  ------------------finish command---->  free the blocks
 
-The engine thread runs the commands queued between steps; the core is touched by nothing else.
+The engine thread runs the commands queued between steps; the core is touched by nothing else. Inside a step
+that computes prompts the core may take the added requests between its layers (EngineCore.arrivals: an urgent
+request runs its own step there); every other command still waits for the step's end, in order.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence, TypeVar
 
@@ -30,9 +33,9 @@ from pagedserve.malloc import release_free_memory
 from pagedserve.niceness import yield_cpu_to_the_engine
 from pagedserve.metrics.stats import SpecDecodingStats
 from pagedserve.engine.output_stream import OutputStream
-from pagedserve.messages import (AddFinishedHook, AddRequests, ClearWarmup, EngineClosedError, EngineCommand,
-                                 EngineDeadError, EngineError, FinishRequests, RequestConstraintError, TakeKVSnapshot,
-                                 describe_error)
+from pagedserve.messages import (AddFinishedHook, AddRequests, Arrivals, ClearWarmup, EngineClosedError,
+                                 EngineCommand, EngineDeadError, EngineError, FinishRequests, RequestConstraintError,
+                                 TakeKVSnapshot, describe_error)
 from pagedserve.core.kv_snapshot import KVState, capture_kv_state
 from pagedserve.engine.processor import ChatPrompt, Processor, PromptInput
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams
@@ -102,6 +105,7 @@ class AsyncLLMEngine:
         if self.core is not None:
             self._set_facts()
         self._commands: queue.SimpleQueue[_Queued] = queue.SimpleQueue()
+        self._deferred: deque[_Queued] = deque()  # taken inside a step, run after it (engine thread only)
         self._wakeup = threading.Event()
         self._lock = threading.Lock()  # orders _closed against command submission
         self._closed = False
@@ -374,6 +378,8 @@ class AsyncLLMEngine:
 
     def _engine_loop(self) -> None:
         core = self.core
+        if hasattr(core, "arrivals"):  # urgent steps (engine/urgent_steps.py)
+            core.arrivals = Arrivals(self._take_arrivals, self._emit)
         trimmed = False  # the heap freed since the last step has been handed back
         last_trim = time.monotonic()
         idle = True  # no request since the last step (or ever): nobody waits while the engine waits
@@ -438,28 +444,50 @@ class AsyncLLMEngine:
             self._run_commands()
 
     def _run_commands(self) -> None:
+        while self._deferred:
+            self._run_queued(self._deferred.popleft())
         while True:
             try:
                 queued = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if queued.reply is not None and not queued.reply.set_running_or_notify_cancel():
-                continue  # the caller went away (its add_requests aborts the ids)
-            if queued.admission is not None:
-                queued.admission.end()
-            self._busy_since = time.monotonic()
+            self._run_queued(queued)
+
+    def _take_arrivals(self) -> None:
+        # Inside a step (EngineCore.arrivals): added requests enter the core now, other commands wait for the
+        # step's end (a finish must not free blocks the step is writing).
+        while True:
             try:
-                answer = self._run_command(queued.command)
-            except Exception as exc:  # noqa: BLE001 (the caller's error, or logged: the loop goes on)
-                if queued.reply is None:
-                    logger.exception("engine command %s failed", type(queued.command).__name__)
-                else:
-                    queued.reply.set_exception(exc)
+                queued = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(queued.command, AddRequests):
+                self._run_queued(queued)
             else:
-                if queued.reply is not None:
-                    queued.reply.set_result(answer)
-            finally:
-                self._busy_since = None
+                self._deferred.append(queued)
+
+    def _emit(self, outputs: list) -> None:  # an urgent step's outputs, from inside a step
+        self._to_loop(self._process_outputs, outputs)
+
+    def _run_queued(self, queued: _Queued) -> None:
+        if queued.reply is not None and not queued.reply.set_running_or_notify_cancel():
+            return  # the caller went away (its add_requests aborts the ids)
+        if queued.admission is not None:
+            queued.admission.end()
+        busy = self._busy_since  # inside a step: the step's start stays
+        self._busy_since = busy or time.monotonic()
+        try:
+            answer = self._run_command(queued.command)
+        except Exception as exc:  # noqa: BLE001 (the caller's error, or logged: the loop goes on)
+            if queued.reply is None:
+                logger.exception("engine command %s failed", type(queued.command).__name__)
+            else:
+                queued.reply.set_exception(exc)
+        else:
+            if queued.reply is not None:
+                queued.reply.set_result(answer)
+        finally:
+            self._busy_since = busy
 
     def _run_command(self, command: EngineCommand) -> Any:
         core = self.core

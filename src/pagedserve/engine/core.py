@@ -8,6 +8,9 @@ One step: schedule -> executor runs the plan -> update requests -> one EngineCor
     RequestOutput <- detokenize, stop strings <---   step(): EngineCoreOutput(new_token_ids, logprobs, finish)
     finish_requests(ids) (stop string hit)    --->   free the blocks
 
+Under the priority policy and the asyncio front-end, a step that computes prompts may run urgent requests' steps
+between its model layers (engine/urgent_steps.py).
+
 Start-up asks the executor's workers (worker/executor.py) for their KV spec and memory budget, sizes the pool,
 and has every worker allocate it. Every per-request failure stays with its request: a step that raises is run
 again one request at a time, and only the requests that still raise are failed (with the error in their
@@ -30,8 +33,9 @@ from pagedserve.core.scheduler import Scheduler
 from pagedserve.core.scheduler_output import ModelRunnerOutput, PromptLogprobsChunk, SchedulerOutput
 from pagedserve.distributed.parallel_state import bind_rank
 from pagedserve.engine.kv_event_publisher import make_publisher
-from pagedserve.messages import (EngineCoreOutput, EngineCoreRequest, EngineDeadError, RequestConstraintError,
-                                 SampledLogprobs, describe_error)
+from pagedserve.engine.urgent_steps import UrgentSteps
+from pagedserve.messages import (Arrivals, EngineCoreOutput, EngineCoreRequest, EngineDeadError,
+                                 RequestConstraintError, SampledLogprobs, describe_error)
 from pagedserve.metrics.stats import EngineStats, RequestStats
 from pagedserve.model.dtypes import resolve_engine_dtypes
 from pagedserve.structured_output.manager import StructuredOutputManager
@@ -93,6 +97,7 @@ class EngineCore:
         # a request once when its last sample ends, as vLLM does.
         self._group_of: dict[str, str] = {}
         self._groups: dict[str, list[Request]] = {}
+        self.arrivals: Arrivals | None = None  # set by the asyncio front-end (engine/urgent_steps.py)
         logger.info("loaded %s in %.1fs on %s; KV pool: %d blocks x %d tokens = %d tokens",
                     self.model_name, time.perf_counter() - t0, device, num_blocks, bs, num_blocks * bs)
 
@@ -174,17 +179,19 @@ class EngineCore:
         return len(self.scheduler.requests)
 
     def step(self) -> list[EngineCoreOutput]:
-        outputs: list[EngineCoreOutput] = []
         if self.kv.disk is not None:
             self.kv.release_disk_pins()  # blocks the disk writer is done with are allocatable again
         plan = self.scheduler.schedule()
-        if plan.is_empty:
-            return outputs
+        return [] if plan.is_empty else self.run_plan(plan, UrgentSteps.for_step(self, plan))
+
+    def run_plan(self, plan: SchedulerOutput, urgent: UrgentSteps | None = None) -> list[EngineCoreOutput]:
+        outputs: list[EngineCoreOutput] = []
         plan = self.structured_output.with_bitmask(plan, self.scheduler.requests)
         # A plan with no tokens still carries finished ids and swap copies: the worker applies them.
         t0 = time.perf_counter()
         failures = _StepFailures()
-        result = self._execute(plan, failures, self._drafts_pay())
+        result = self._execute(plan, failures, urgent)
+        urgent_s = urgent.end() if urgent is not None else 0.0
         for req_id, message in failures.errors.items():
             req = self.scheduler.finish_request(req_id, RequestStatus.FINISHED_ABORTED)
             if req is not None:
@@ -210,11 +217,7 @@ class EngineCore:
             num_emitted += len(new_ids)
             out = EngineCoreOutput(req.req_id, new_ids, cumulative_logprob=req.cumulative_logprob,
                                    num_cached_tokens=req.num_cached_tokens)
-            j = row_of[req.req_id]
-            if result.prompt_logprobs:
-                out.prompt_logprobs = result.prompt_logprobs.get(req.req_id)
-            if result.logprobs is not None and req.params.logprobs is not None:
-                out.new_logprobs = _emitted_logprobs(result, j, len(new_ids))
+            _attach_logprobs(out, req, result, row_of[req.req_id])
             if req.status.is_finished:
                 out.finish_reason = req.status.value
                 out.stop_reason = req.stop_reason
@@ -228,7 +231,7 @@ class EngineCore:
             self.stats.spec.record(result.spec)
         if result.draft_token_ids is not None:
             self._set_drafts(updated, result.draft_token_ids)
-        self.stats.record_step(plan, self.scheduler.stats(), time.perf_counter() - t0, num_emitted)
+        self.stats.record_step(plan, self.scheduler.stats(), time.perf_counter() - t0 - urgent_s, num_emitted)
         if self.kv_event_publisher is not None:
             self.kv_event_publisher.publish(self.kv_events.take())
         return outputs
@@ -272,12 +275,14 @@ class EngineCore:
             kept.append(req)
         return kept
 
-    def _execute(self, plan: SchedulerOutput, failures: _StepFailures, propose_drafts: bool) -> ModelRunnerOutput:
-        # The plan's bookkeeping is applied once; a failure there is the engine's, not a request's.
+    def _execute(self, plan: SchedulerOutput, failures: _StepFailures,
+                 urgent: UrgentSteps | None) -> ModelRunnerOutput:
+        # The plan's bookkeeping is applied once; a failure there is the engine's, not a request's. urgent runs
+        # between the layers of the first try only.
         self.executor.apply_plan(plan)
-        scheduled = plan.num_scheduled_tokens
+        scheduled, propose_drafts = plan.num_scheduled_tokens, self._drafts_pay()
         try:
-            return self.executor.execute_model(scheduled, propose_drafts)
+            return self.executor.execute_model(scheduled, propose_drafts, urgent)
         except EngineDeadError:
             raise  # no step can run any more: not a request's failure
         except Exception as exc:  # noqa: BLE001 (contained below, per request)
@@ -309,6 +314,14 @@ def _prompt_logprob_outputs(chunks: dict[str, PromptLogprobsChunk], taken: set[s
         if req is not None:
             extra.append(EngineCoreOutput(req_id, [], prompt_logprobs=chunk, num_cached_tokens=req.num_cached_tokens))
     return extra
+
+
+def _attach_logprobs(out: EngineCoreOutput, req: Request, result: ModelRunnerOutput, j: int) -> None:
+    # The prompt logprobs computed for req this step, and the logprobs of the tokens it emits (row j).
+    if result.prompt_logprobs:
+        out.prompt_logprobs = result.prompt_logprobs.get(req.req_id)
+    if result.logprobs is not None and req.params.logprobs is not None:
+        out.new_logprobs = _emitted_logprobs(result, j, len(out.new_token_ids))
 
 
 def _emitted_logprobs(result: ModelRunnerOutput, j: int, num_tokens: int) -> SampledLogprobs:

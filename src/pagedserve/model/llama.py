@@ -11,10 +11,13 @@ layers read every block anyway, and freed blocks would leave holes in the block 
 On CPU, when every layer qualifies (plain Llama layers, GGUF block weights, the compiled attention kernel;
 layers/decoder_stack.py), forward runs all layers in one compiled call of the same ops, bit-identical to the
 modules.
+
+`between_layers` (a callable) is called after every layer but the last: the engine core runs an urgent
+request's step there while a long one is in flight (engine/urgent_steps.py).
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -90,7 +93,8 @@ class LlamaForCausalLM(nn.Module):
         self.batch_invariant = False  # set_batch_invariant
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                meta: AttentionMetadata, long_rope: torch.Tensor | None = None) -> torch.Tensor:
+                meta: AttentionMetadata, long_rope: torch.Tensor | None = None,
+                between_layers: Callable[[], None] | None = None) -> torch.Tensor:
         # long_rope: per token, whether its sequence is past longrope_switch tokens (long factors); None: none is.
         if len(kv_caches) != len(self.model.layers):
             raise ValueError(f"got {len(kv_caches)} kv caches for {len(self.model.layers)} layers")
@@ -104,11 +108,13 @@ class LlamaForCausalLM(nn.Module):
             x = x * torch.tensor(self.family.embed_scale, dtype=x.dtype)
         if self._stack is False:
             self._stack = DecoderStack.build(self)
-        out = self._stack(x, positions, kv_caches, meta) if self._stack is not None else None
+        out = self._stack(x, positions, kv_caches, meta, between_layers) if self._stack is not None else None
         if out is not None:
             return self.model.norm.forward_residual(*out)[0]
         residual = None
-        for layer, kv_cache in zip(self.model.layers, kv_caches):
+        for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches)):
+            if i and between_layers is not None:
+                between_layers()
             x, residual = layer(positions, x, kv_cache, meta, residual)
         if residual is None:  # no layers
             return self.model.norm(x)

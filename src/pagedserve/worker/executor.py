@@ -7,9 +7,13 @@ distributed/executor.py's MultiprocExecutor runs rank 0 here and ranks 1..N-1 in
     initialize(KVCacheConfig)             --->  every worker allocates its caches, builds its runner
     apply_plan(plan)                      --->  the plan's diff, block copies and swaps (once per plan)
     execute_model(scheduled)              --->  forward, sample, drafts; again on a subset when the core
-                                                isolates a request whose step failed
+                                                isolates a request whose step failed; where
+                                                runs_between_layers, a callable the model calls between its
+                                                layers (the core runs an urgent plan there)
 """
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -25,6 +29,10 @@ from pagedserve.worker.worker import KVCacheConfig, Worker
 
 
 class Executor:
+    # One worker in this process: a step may run another between its layers. Tensor-parallel ranks would all
+    # have to, in step (distributed/executor.py: not yet).
+    runs_between_layers = True
+
     def __init__(self, config: EngineConfig, device: torch.device) -> None:
         self.worker = Worker(config, device, self._tp_group())
         self.worker.load_model()
@@ -70,8 +78,9 @@ class Executor:
     def disk_block_reader(self):
         return self.worker.disk_block_reader()  # the disk tier runs without tensor parallelism: rank 0's
 
-    def execute_model(self, num_scheduled_tokens: dict[str, int], propose_drafts: bool = True) -> ModelRunnerOutput:
-        return self.worker.execute_model(num_scheduled_tokens, propose_drafts)
+    def execute_model(self, num_scheduled_tokens: dict[str, int], propose_drafts: bool = True,
+                      between_layers: Callable[[], None] | None = None) -> ModelRunnerOutput:
+        return self.worker.execute_model(num_scheduled_tokens, propose_drafts, between_layers)
 
     def shutdown(self) -> None:
         pass  # one worker in this process holds nothing that needs stopping

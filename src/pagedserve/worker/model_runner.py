@@ -5,6 +5,7 @@ difference; it never sees or mutates the scheduler's requests.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -108,16 +109,24 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, num_scheduled_tokens: dict[str, int],
-                      draft_probs: dict[str, torch.Tensor | None] | None = None) -> ModelRunnerOutput:
+                      draft_probs: dict[str, torch.Tensor | None] | None = None,
+                      between_layers: Callable[[], None] | None = None) -> ModelRunnerOutput:
         # Runs the scheduled tokens of requests already in the input batch and verifies the drafts the plan
         # carries (draft_probs: the draft model's q rows by request; None: point masses). Running it again for
         # a subset (the engine core isolating a failing request) recomputes the same K/V into the same slots.
         # Proposing the next drafts is the worker's (spec_decode/proposer.py).
+        # between_layers: called between the model's layers, where the engine core may run another plan
+        # (update_states, then execute_model) of requests not in this step; this step's inputs are built by
+        # then, and its plan's bitmask is kept for its sampling below.
         if not num_scheduled_tokens:  # finished ids and swap-outs only
             return ModelRunnerOutput([], [])
         step = self.build_metadata(num_scheduled_tokens)
         extra = {} if step.long_rope is None else {"long_rope": step.long_rope}
+        grammar = self.grammar
+        if between_layers is not None:
+            extra["between_layers"] = between_layers
         hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta, **extra)
+        self.grammar = grammar
 
         # The LM head runs only on each sampled request's last token, plus every prompt row of requests that
         # asked for prompt logprobs (worker/prompt_logprobs.py).

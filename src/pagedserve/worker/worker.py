@@ -16,6 +16,7 @@ rank 0 samples and proposes drafts. The executor drives it in this order:
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
@@ -139,11 +140,13 @@ class Worker:
             return BlockViews([cache for group in groups for cache in group]), True
         return partial(read_block_groups, groups), False
 
-    def execute_model(self, num_scheduled_tokens: dict[str, int], propose_drafts: bool = True) -> ModelRunnerOutput:
+    def execute_model(self, num_scheduled_tokens: dict[str, int], propose_drafts: bool = True,
+                      between_layers: Callable[[], None] | None = None) -> ModelRunnerOutput:
         # propose_drafts is off in steps whose batch is above disable_by_batch_size: drafts would cost more
-        # than they save (the draft model still records how far it lags).
+        # than they save (the draft model still records how far it lags). between_layers: the runner's.
         proposer = self.proposer
-        out = self.model_runner.execute_model(num_scheduled_tokens, proposer.draft_probs if proposer else None)
+        out = self.model_runner.execute_model(num_scheduled_tokens, proposer.draft_probs if proposer else None,
+                                              between_layers)
         if self.acceptance is not None and out.spec is not None:
             for req_id, drafted, accepted in zip(out.req_ids, out.spec.num_draft_tokens, out.spec.accepted_token_ids):
                 self.acceptance.record(req_id, drafted, len(accepted))

@@ -5,7 +5,7 @@
 // stream. Each op is still called through the dispatcher (its own checks included); the handles are looked up
 // once.
 //   decoder_layers(x, positions, kv_caches, <attention metadata>, scale, cos_sin, norms, weights, qtypes, parts,
-//                  biases, gemm_ids, heads, eps, batch_invariant) -> (x, residual)
+//                  biases, gemm_ids, heads, eps, batch_invariant, residual) -> (x, residual)
 // Per layer i: norms[2i], norms[2i+1] (input / post-attention RMSNorm weights); linears 4i..4i+3 (qkv, o,
 // gate_up, down), linear j made of parts[j] row segments of GGUF blocks of one type each (a Q4_K_M qkv_proj:
 // Q4_K and Q6_K), listed in order in weights and their types in qtypes; biases[j] (None for none); gemm_ids[j]
@@ -14,6 +14,9 @@
 // head_dim]; batch_invariant: attention and gemm_gguf_int8 in their batch-invariant forms (both ops' flag; the
 // caller picks gemm_gguf or gemm_gguf_int8 in gemm_ids, both row-independent then). x: the embeddings [tokens, hidden];
 // returns the last layer's output and the residual stream (the hidden state is their sum, pre-final-norm).
+// A run of layers from the middle of the stack (the lists hold only its layers) continues from the (x, residual)
+// the run before it returned: given a residual, the first layer adds x to it as every later layer does, so runs
+// over consecutive layers give what one call over all of them does, bit for bit.
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/cat.h>
@@ -83,7 +86,7 @@ std::tuple<Tensor, Tensor> decoder_layers(const Tensor& embeddings, const Tensor
                                           c10::IntArrayRef qtypes, c10::IntArrayRef parts,
                                           const std::vector<OptTensor>& biases,
                                           c10::IntArrayRef gemm_ids, c10::IntArrayRef heads, double eps,
-                                          bool batch_invariant) {
+                                          bool batch_invariant, const OptTensor& residual_in) {
   constexpr const char* op = "decoder_layers";
   const auto layers = static_cast<int64_t>(kv_caches.size());
   TORCH_CHECK(layers > 0, op, ": no layers");
@@ -124,9 +127,13 @@ std::tuple<Tensor, Tensor> decoder_layers(const Tensor& embeddings, const Tensor
     if (biases[j].has_value() && biases[j]->defined()) y.add_(*biases[j]);
     return y;
   };
-  Tensor x = embeddings, residual;
+  const bool continues = residual_in.has_value() && residual_in->defined();
+  if (continues)
+    TORCH_CHECK(residual_in->sizes() == embeddings.sizes(), op, ": residual has shape ", residual_in->sizes(),
+                ", x ", embeddings.sizes());
+  Tensor x = embeddings, residual = continues ? *residual_in : Tensor();
   for (int64_t i = 0; i < layers; ++i) {
-    if (i == 0) {
+    if (i == 0 && !continues) {
       residual = x;
       x = o.rms_norm.call(x, norms[0], eps);
     } else {
@@ -154,6 +161,6 @@ PAGEDSERVE_LIBRARY_FRAGMENT(m) {
   m.def("decoder_layers(Tensor x, Tensor positions, Tensor(a!)[] kv_caches, Tensor slot_mapping, "
         "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale, Tensor cos_sin, Tensor[] norms, "
         "Tensor[] weights, int[] qtypes, int[] parts, Tensor?[] biases, int[] gemm_ids, int[] heads, float eps, "
-        "bool batch_invariant=False) -> (Tensor, Tensor)");
+        "bool batch_invariant=False, Tensor(b!)? residual=None) -> (Tensor, Tensor)");
   m.impl("decoder_layers", c10::DispatchKey::CPU, decoder_layers);
 }

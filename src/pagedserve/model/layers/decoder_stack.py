@@ -12,8 +12,15 @@ attends through the compiled CPU kernel (no sliding window, no reference fallbac
 norm, Gemma norms, GeGLU, partial rotary or per-layer rope), no tensor parallelism, activations of a dtype the
 layer kernels take. `build` checks what is fixed per model, `__call__` what depends on the step, and returns
 None to send the step through the modules.
+
+Given `between_layers`, the stack runs one layer per call and calls it after every layer but the last (the
+engine core runs an urgent request's step there, engine/urgent_steps.py); each call continues from the
+(x, residual) of the one before, so the result is the same, bit for bit.
 """
 from __future__ import annotations
+
+import functools
+from collections.abc import Callable
 
 import torch
 
@@ -33,6 +40,11 @@ class DecoderStack:
         self.weights = [p for w in blocks for p in w.parts]  # every linear's row segments, in order
         self.qtypes = [t for w in blocks for t in w.qtypes]
         self.parts = [len(w.parts) for w in blocks]
+        # Per layer, where its linears' parts start in weights / qtypes (and where the last one's end).
+        ends = [0]
+        for n in self.parts:
+            ends.append(ends[-1] + n)
+        self.layer_parts = ends[::4]
         self.linear_qtypes = [w.qtypes for w in blocks]
         self.biases = [m.bias for m in linears]
         self.norms = [n.weight for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
@@ -71,7 +83,8 @@ class DecoderStack:
         return cls(layers, layers[0].self_attn.rotary_emb)
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
+                 meta: AttentionMetadata, between_layers: Callable[[], None] | None = None,
+                 ) -> tuple[torch.Tensor, torch.Tensor] | None:
         # (last layer's output, residual), or None: run the modules.
         ops = kernels.ops_for(x, kernels.LAYER_DTYPES)
         if ops is None or x.dtype != self.dtype or x.dim() != 2 or not all(
@@ -80,10 +93,24 @@ class DecoderStack:
         gemm_ids = self._gemm_ids(ops, x.dtype, x.shape[0])
         if gemm_ids is None:
             return None
-        return ops.decoder_layers(x, positions, kv_caches, meta.slot_mapping, meta.block_tables, meta.seq_lens,
-                                  meta.query_start_loc, self.scale, self.rotary_emb._table(), self.norms,
-                                  self.weights, self.qtypes, self.parts, self.biases, gemm_ids, self.heads, self.eps,
-                                  self.batch_invariant)
+        run = functools.partial(ops.decoder_layers, positions=positions, slot_mapping=meta.slot_mapping,
+                                block_tables=meta.block_tables, seq_lens=meta.seq_lens,
+                                query_start_loc=meta.query_start_loc, scale=self.scale,
+                                cos_sin=self.rotary_emb._table(), heads=self.heads, eps=self.eps,
+                                batch_invariant=self.batch_invariant)
+        if between_layers is None:
+            return run(x, kv_caches=kv_caches, norms=self.norms, weights=self.weights, qtypes=self.qtypes,
+                       parts=self.parts, biases=self.biases, gemm_ids=gemm_ids)
+        residual = None
+        for i in range(len(kv_caches)):
+            if i:
+                between_layers()
+            a, b = self.layer_parts[i], self.layer_parts[i + 1]
+            x, residual = run(x, kv_caches=kv_caches[i:i + 1], norms=self.norms[2 * i:2 * i + 2],
+                              weights=self.weights[a:b], qtypes=self.qtypes[a:b], parts=self.parts[4 * i:4 * i + 4],
+                              biases=self.biases[4 * i:4 * i + 4], gemm_ids=gemm_ids[4 * i:4 * i + 4],
+                              residual=residual)
+        return x, residual
 
     def _gemm_ids(self, ops, dtype: torch.dtype, m: int) -> list[int] | None:
         # Per linear, the kernel gguf_linear picks for m rows (the same kernel_choice) as GEMM_IDS codes; None
