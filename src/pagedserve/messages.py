@@ -103,11 +103,14 @@ EngineCommand = AddRequests | FinishRequests | TakeKVSnapshot | AddFinishedHook 
 
 @dataclass(frozen=True, slots=True)
 class Arrivals:
-    # The front-end's side of urgent steps (engine/urgent_steps.py), called on the engine thread between the layers of
-    # a step: take() adds the requests that arrived since it started, emit() sends an urgent step's outputs on
-    # before the step ends.
+    # The front-end's side of urgent steps (engine/urgent_steps.py). pending: 8 bytes, a little-endian int64 the
+    # front-end sets to 1 when it queues added requests, which the model reads between its layers (no lock: a
+    # stale 1 costs one needless stop). Then, on the engine thread inside the step: take() clears it and adds
+    # the requests that arrived since the step started, emit() sends an urgent step's outputs on before the
+    # step ends.
     take: Callable[[], None]
     emit: Callable[[list[EngineCoreOutput]], None]
+    pending: bytearray
 
 
 def describe_error(exc: BaseException) -> str:

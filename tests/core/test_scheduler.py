@@ -108,8 +108,8 @@ def check_invariants(sched):
 
 
 def drive(sched, rng, reqs, abort_prob, mid_step=(), mid_step_prob=0.2) -> list:
-    # mid_step: requests that arrive while a step that computes prompts is in flight (one in such a step with
-    # probability mid_step_prob; those left when all else is done arrive as the others do). The engine core then
+    # mid_step: requests that arrive while a step is in flight (one in a step with probability mid_step_prob;
+    # those left when all else is done arrive as the others do). The engine core then
     # asks for urgent plans between the step's layers (Scheduler.schedule_urgent) and runs them before it ends.
     # Returns those that ran.
     worker = WorkerMirror(sched)
@@ -125,7 +125,7 @@ def drive(sched, rng, reqs, abort_prob, mid_step=(), mid_step_prob=0.2) -> list:
         token = rng.randint(3, 50)
         plan, scheduled = worker.schedule()
         num_urgent = 0
-        if later and plan.num_scheduled_prompt_tokens and rng.random() < mid_step_prob:
+        if later and plan.num_scheduled_tokens and rng.random() < mid_step_prob:
             sched.add_request(later.pop())
             for _ in range(2):  # asked at two layers
                 in_flight = {r: sched.requests[r].priority for r in plan.num_scheduled_tokens}

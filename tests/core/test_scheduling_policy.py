@@ -279,9 +279,9 @@ def test_random_priorities_keep_invariants(mode):
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_random_urgent_steps_keep_invariants(mode):
-    # A low-priority load (priority 3) and urgent requests (priority -1..1) arriving while steps that compute
-    # prompts are in flight, which ask for urgent plans between their layers (drive's mid_step): the blocks and
-    # the worker's view stay right, and urgent plans do run.
+    # A low-priority load (priority 3) and urgent requests (priority -1..1) arriving while steps are in flight,
+    # which ask for urgent plans between their layers (drive's mid_step): the blocks and the worker's view stay
+    # right, and urgent plans do run.
     rng = random.Random(2)
     sched = make_scheduler("priority", num_blocks=48, max_num_seqs=4, budget=24, aging=100, mode=mode)
     load = [req(f"l{i}", rng.randint(1, 40), rng.randint(1, 30), priority=3, client=rng.choice([None, "A"]))

@@ -102,9 +102,9 @@ def test_stack_runs_bf16_gemm(tmp_path, dtype, monkeypatch) -> None:
 
 
 def _stack_vs_modules(model, dtype: torch.dtype) -> list[bool]:
-    # Per batch of BATCHES: the stack's logits and caches equal the modules', also when either runs a layer at a
-    # time with a call between the layers (an urgent step's place, engine/urgent_steps.py); returns whether the stack
-    # ran it.
+    # Per batch of BATCHES: the stack's logits and caches equal the modules', also when another thread's flag
+    # stops either between layers (never, once, before every layer) for a call (an urgent step's place,
+    # engine/urgent_steps.py) and it goes on from there; returns whether the stack ran it.
     gen = torch.Generator().manual_seed(0)
     caches = [c.copy_(torch.randn(c.shape, generator=gen)) for c in
               allocate_kv_caches(2, NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM, dtype, "cpu")]
@@ -122,15 +122,27 @@ def _stack_vs_modules(model, dtype: torch.dtype) -> list[bool]:
         assert torch.equal(got, want), f"{seqs}: logits differ by {(got - want).abs().max()}"
         for layer, (a, b) in enumerate(zip(stack_caches, caches)):
             assert torch.equal(a, b), f"{seqs}: layer {layer}'s cache differs"
-        for stack in (False, None):  # a layer at a time: the stack's runs, the modules
-            calls: list[int] = []
-            split_caches = [c.clone() for c in caches]
-            model._stack = stack
-            split, *_ = _forward(model, seqs, split_caches, tables, lambda: calls.append(1))
-            assert len(calls) == len(caches) - 1
-            assert torch.equal(split, want), f"{seqs}, stack {stack}: logits differ by {(split - want).abs().max()}"
-            assert all(torch.equal(a, b) for a, b in zip(split_caches, caches))
+        for stack in (False, None):  # the stack's runs, the modules
+            for stops in ("never", "once", "every layer"):
+                between = Stops(stops != "never", stops == "every layer")
+                split_caches = [c.clone() for c in caches]
+                model._stack = stack
+                split, *_ = _forward(model, seqs, split_caches, tables, between)
+                assert between.calls == {"never": 0, "once": 1, "every layer": len(caches) - 1}[stops]
+                assert torch.equal(split, want), f"{seqs} {stack} {stops}: differ by {(split - want).abs().max()}"
+                assert all(torch.equal(a, b) for a, b in zip(split_caches, caches))
     return used
+
+
+class Stops:
+    # BetweenLayers: the flag set from the start, and again after each call (keep) or cleared by it.
+    def __init__(self, set_: bool, keep: bool) -> None:
+        self.flag = torch.tensor([int(set_)], dtype=torch.int64)
+        self.keep, self.calls = keep, 0
+
+    def __call__(self) -> None:
+        self.calls += 1
+        self.flag[0] = int(self.keep)
 
 
 def test_modules_serve_what_the_stack_does_not(tmp_path) -> None:

@@ -121,6 +121,7 @@ def test_requests_added_during_a_step_enter_it_and_other_commands_wait_for_its_e
         add_b = asyncio.create_task(async_engine.add_request("b", PROMPT, SamplingParams(max_tokens=1)))
         while async_engine._commands.qsize() < 2:  # the finish, then the add
             await asyncio.sleep(0.005)
+        assert async_engine._pending[0] == 1  # the flag the model reads between its layers
         engine.step_gate.set()
         outs = [o async for o in await add_b]
         return outs
@@ -128,7 +129,7 @@ def test_requests_added_during_a_step_enter_it_and_other_commands_wait_for_its_e
     outs = asyncio.run(main())
     assert engine.mid_step_requests == {"a", "b"}  # b entered the step in flight; a's finish had to wait
     assert outs[-1].finished and outs[-1].outputs[0].token_ids == [0]
-    assert "a" in engine.aborted and not engine.requests
+    assert "a" in engine.aborted and not engine.requests and async_engine._pending[0] == 0
 
 
 def test_shutdown_fails_in_flight_and_refuses_new_work():

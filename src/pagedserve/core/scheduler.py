@@ -18,9 +18,10 @@ position, a shorter one with its short factors (model/layers/rotary.py), as tran
 request grows past the switch, its K/V (computed with the short factors) is dropped and computed again, as a
 preemption by recompute; the worker picks the factors from the request's length, which the plan gives it.
 
-Urgent steps (priority policy): while a step computes prompts, the engine core asks between its layers for a plan
-of the waiting requests that outrank every request in it (schedule_urgent) and runs it there, so an urgent
-prompt waits for one layer of a long low-priority step instead of all of it. That plan admits only such
+Urgent steps (priority policy): when requests arrive while a step is in flight, the engine core asks between its
+layers for a plan of the waiting requests that outrank every request in it (schedule_urgent) and runs it there,
+so an urgent prompt waits for one layer of a long low-priority step instead of all of it
+(engine/urgent_steps.py). That plan admits only such
 requests, beside the batch and without touching the step in flight, so the batch may hold more than
 max_num_seqs until the next step, which pauses the least urgent requests above it.
 

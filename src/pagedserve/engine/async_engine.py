@@ -10,9 +10,10 @@ detokenized on the event loop, and only token ids cross to and from the core:
       -> per-request OutputStream (deltas merged while the client lags: memory stays O(output))
     stop string / close() / disconnect  ------------------finish command---->  free the blocks
 
-The engine thread runs the commands queued between steps; the core is touched by nothing else. Inside a step
-that computes prompts the core may take the added requests between its layers (EngineCore.arrivals: an urgent
-request runs its own step there); every other command still waits for the step's end, in order.
+The engine thread runs the commands queued between steps; the core is touched by nothing else. Inside a step the
+core may take the added requests between its layers (EngineCore.arrivals, whose flag tells the model that some
+are queued: an urgent request runs its own step there); every other command still waits for the step's end,
+in order.
 """
 from __future__ import annotations
 
@@ -106,6 +107,7 @@ class AsyncLLMEngine:
             self._set_facts()
         self._commands: queue.SimpleQueue[_Queued] = queue.SimpleQueue()
         self._deferred: deque[_Queued] = deque()  # taken inside a step, run after it (engine thread only)
+        self._pending = bytearray(8)  # Arrivals.pending: 1 once added requests are queued
         self._wakeup = threading.Event()
         self._lock = threading.Lock()  # orders _closed against command submission
         self._closed = False
@@ -340,6 +342,8 @@ class AsyncLLMEngine:
             if self._closed:
                 raise EngineClosedError("the engine is shut down")
             self._commands.put(command)
+        if isinstance(command.command, AddRequests):
+            self._pending[0] = 1  # after the put: the engine clears it before it takes commands
         self._wakeup.set()
 
     # ---- engine thread ----------------------------------------------------------------------------------
@@ -379,7 +383,7 @@ class AsyncLLMEngine:
     def _engine_loop(self) -> None:
         core = self.core
         if hasattr(core, "arrivals"):  # urgent steps (engine/urgent_steps.py)
-            core.arrivals = Arrivals(self._take_arrivals, self._emit)
+            core.arrivals = Arrivals(self._take_arrivals, self._emit, self._pending)
         trimmed = False  # the heap freed since the last step has been handed back
         last_trim = time.monotonic()
         idle = True  # no request since the last step (or ever): nobody waits while the engine waits
@@ -444,6 +448,7 @@ class AsyncLLMEngine:
             self._run_commands()
 
     def _run_commands(self) -> None:
+        self._pending[0] = 0
         while self._deferred:
             self._run_queued(self._deferred.popleft())
         while True:
@@ -456,6 +461,7 @@ class AsyncLLMEngine:
     def _take_arrivals(self) -> None:
         # Inside a step (EngineCore.arrivals): added requests enter the core now, other commands wait for the
         # step's end (a finish must not free blocks the step is writing).
+        self._pending[0] = 0
         while True:
             try:
                 queued = self._commands.get_nowait()

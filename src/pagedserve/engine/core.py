@@ -8,8 +8,8 @@ One step: schedule -> executor runs the plan -> update requests -> one EngineCor
     RequestOutput <- detokenize, stop strings <---   step(): EngineCoreOutput(new_token_ids, logprobs, finish)
     finish_requests(ids) (stop string hit)    --->   free the blocks
 
-Under the priority policy and the asyncio front-end, a step that computes prompts may run urgent requests' steps
-between its model layers (engine/urgent_steps.py).
+Under the priority policy and the asyncio front-end, a step may run urgent requests' steps between its model
+layers (engine/urgent_steps.py).
 
 Start-up asks the executor's workers (worker/executor.py) for their KV spec and memory budget, sizes the pool,
 and has every worker allocate it. Every per-request failure stays with its request: a step that raises is run

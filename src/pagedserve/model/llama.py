@@ -12,12 +12,12 @@ On CPU, when every layer qualifies (plain Llama layers, GGUF block weights, the 
 layers/decoder_stack.py), forward runs all layers in one compiled call of the same ops, bit-identical to the
 modules.
 
-`between_layers` (a callable) is called after every layer but the last: the engine core runs an urgent
-request's step there while a long one is in flight (engine/urgent_steps.py).
+`between_layers` (layers/decoder_stack.py's BetweenLayers) is called between two layers when its flag is set:
+the engine core runs an urgent request's step there while a long one is in flight (engine/urgent_steps.py).
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -29,7 +29,7 @@ from pagedserve.distributed.parallel_state import TensorParallelGroup
 from pagedserve.kv_spec import head_dim_of
 from pagedserve.model.decoder_layer import LlamaDecoderLayer
 from pagedserve.model.family import DecoderFamily, decoder_family, split_fused_weights
-from pagedserve.model.layers.decoder_stack import DecoderStack
+from pagedserve.model.layers.decoder_stack import BetweenLayers, DecoderStack
 from pagedserve.model.layers.linear import Linear, dense_linear, pack_linear_weights, pack_weight
 from pagedserve.model.layers.norm import RMSNorm
 from pagedserve.model.layers.parallel import embedding, gather_logits
@@ -94,7 +94,7 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata, long_rope: torch.Tensor | None = None,
-                between_layers: Callable[[], None] | None = None) -> torch.Tensor:
+                between_layers: BetweenLayers | None = None) -> torch.Tensor:
         # long_rope: per token, whether its sequence is past longrope_switch tokens (long factors); None: none is.
         if len(kv_caches) != len(self.model.layers):
             raise ValueError(f"got {len(kv_caches)} kv caches for {len(self.model.layers)} layers")
@@ -113,7 +113,7 @@ class LlamaForCausalLM(nn.Module):
             return self.model.norm.forward_residual(*out)[0]
         residual = None
         for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches)):
-            if i and between_layers is not None:
+            if i and between_layers is not None and between_layers.flag[0]:
                 between_layers()
             x, residual = layer(positions, x, kv_cache, meta, residual)
         if residual is None:  # no layers

@@ -8,12 +8,10 @@ distributed/executor.py's MultiprocExecutor runs rank 0 here and ranks 1..N-1 in
     apply_plan(plan)                      --->  the plan's diff, block copies and swaps (once per plan)
     execute_model(scheduled)              --->  forward, sample, drafts; again on a subset when the core
                                                 isolates a request whose step failed; where
-                                                runs_between_layers, a callable the model calls between its
-                                                layers (the core runs an urgent plan there)
+                                                runs_between_layers, what the model calls between two layers
+                                                when its flag is set (the core runs an urgent plan there)
 """
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import torch
 
@@ -22,6 +20,7 @@ from pagedserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagedserve.distributed.parallel_state import TensorParallelGroup
 from pagedserve.kv_spec import KVCacheSpec
 from pagedserve.model.loader import LoadedModel
+from pagedserve.model.layers.decoder_stack import BetweenLayers
 from pagedserve.spec_decode.proposer import Proposer
 from pagedserve.worker.memory import DraftKV
 from pagedserve.worker.model_runner import ModelRunner
@@ -79,7 +78,7 @@ class Executor:
         return self.worker.disk_block_reader()  # the disk tier runs without tensor parallelism: rank 0's
 
     def execute_model(self, num_scheduled_tokens: dict[str, int], propose_drafts: bool = True,
-                      between_layers: Callable[[], None] | None = None) -> ModelRunnerOutput:
+                      between_layers: BetweenLayers | None = None) -> ModelRunnerOutput:
         return self.worker.execute_model(num_scheduled_tokens, propose_drafts, between_layers)
 
     def shutdown(self) -> None:

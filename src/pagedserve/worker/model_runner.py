@@ -5,7 +5,6 @@ difference; it never sees or mutates the scheduler's requests.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -13,6 +12,7 @@ import torch
 
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.core.scheduler_output import GrammarOutput, ModelRunnerOutput, SchedulerOutput, SpecDecodeOutput
+from pagedserve.model.layers.decoder_stack import BetweenLayers
 from pagedserve.sample.grammar_bitmask import apply_grammar_bitmask
 from pagedserve.sample.sampler import Sampler, SamplingBatch, SamplingRow, make_generator
 from pagedserve.spec_decode.rejection_sampler import rejection_sample
@@ -110,12 +110,12 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, num_scheduled_tokens: dict[str, int],
                       draft_probs: dict[str, torch.Tensor | None] | None = None,
-                      between_layers: Callable[[], None] | None = None) -> ModelRunnerOutput:
+                      between_layers: BetweenLayers | None = None) -> ModelRunnerOutput:
         # Runs the scheduled tokens of requests already in the input batch and verifies the drafts the plan
         # carries (draft_probs: the draft model's q rows by request; None: point masses). Running it again for
         # a subset (the engine core isolating a failing request) recomputes the same K/V into the same slots.
         # Proposing the next drafts is the worker's (spec_decode/proposer.py).
-        # between_layers: called between the model's layers, where the engine core may run another plan
+        # between_layers: called between two layers when its flag is set; the engine core may run another plan
         # (update_states, then execute_model) of requests not in this step; this step's inputs are built by
         # then, and its plan's bitmask is kept for its sampling below.
         if not num_scheduled_tokens:  # finished ids and swap-outs only

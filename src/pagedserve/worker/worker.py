@@ -16,7 +16,6 @@ rank 0 samples and proposes drafts. The executor drives it in this order:
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
@@ -26,6 +25,7 @@ from pagedserve.config import EngineConfig
 from pagedserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagedserve.distributed.parallel_state import TensorParallelGroup
 from pagedserve.model.loader import LoadedModel, load_model
+from pagedserve.model.layers.decoder_stack import BetweenLayers
 from pagedserve.spec_decode.acceptance import AcceptanceTracker
 from pagedserve.spec_decode.draft_model import (DraftModel, check_same_vocab, draft_dtype, load_draft,
                                                  num_scratch_blocks)
@@ -141,7 +141,7 @@ class Worker:
         return partial(read_block_groups, groups), False
 
     def execute_model(self, num_scheduled_tokens: dict[str, int], propose_drafts: bool = True,
-                      between_layers: Callable[[], None] | None = None) -> ModelRunnerOutput:
+                      between_layers: BetweenLayers | None = None) -> ModelRunnerOutput:
         # propose_drafts is off in steps whose batch is above disable_by_batch_size: drafts would cost more
         # than they save (the draft model still records how far it lags). between_layers: the runner's.
         proposer = self.proposer

@@ -5,7 +5,7 @@
 // stream. Each op is still called through the dispatcher (its own checks included); the handles are looked up
 // once.
 //   decoder_layers(x, positions, kv_caches, <attention metadata>, scale, cos_sin, norms, weights, qtypes, parts,
-//                  biases, gemm_ids, heads, eps, batch_invariant, residual) -> (x, residual)
+//                  biases, gemm_ids, heads, eps, batch_invariant, residual, interrupt, layers_run) -> (x, residual)
 // Per layer i: norms[2i], norms[2i+1] (input / post-attention RMSNorm weights); linears 4i..4i+3 (qkv, o,
 // gate_up, down), linear j made of parts[j] row segments of GGUF blocks of one type each (a Q4_K_M qkv_proj:
 // Q4_K and Q6_K), listed in order in weights and their types in qtypes; biases[j] (None for none); gemm_ids[j]
@@ -16,7 +16,9 @@
 // returns the last layer's output and the residual stream (the hidden state is their sum, pre-final-norm).
 // A run of layers from the middle of the stack (the lists hold only its layers) continues from the (x, residual)
 // the run before it returned: given a residual, the first layer adds x to it as every later layer does, so runs
-// over consecutive layers give what one call over all of them does, bit for bit.
+// over consecutive layers give what one call over all of them does, bit for bit. interrupt (int64 [1], another
+// thread may set it while the call runs): when it is non-zero before a layer other than the first, the call
+// returns there, having run layers_run[0] (int64 [1]) of its layers; the caller continues with a run from there.
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/cat.h>
@@ -86,7 +88,8 @@ std::tuple<Tensor, Tensor> decoder_layers(const Tensor& embeddings, const Tensor
                                           c10::IntArrayRef qtypes, c10::IntArrayRef parts,
                                           const std::vector<OptTensor>& biases,
                                           c10::IntArrayRef gemm_ids, c10::IntArrayRef heads, double eps,
-                                          bool batch_invariant, const OptTensor& residual_in) {
+                                          bool batch_invariant, const OptTensor& residual_in,
+                                          const OptTensor& interrupt, const OptTensor& layers_run) {
   constexpr const char* op = "decoder_layers";
   const auto layers = static_cast<int64_t>(kv_caches.size());
   TORCH_CHECK(layers > 0, op, ": no layers");
@@ -132,7 +135,20 @@ std::tuple<Tensor, Tensor> decoder_layers(const Tensor& embeddings, const Tensor
     TORCH_CHECK(residual_in->sizes() == embeddings.sizes(), op, ": residual has shape ", residual_in->sizes(),
                 ", x ", embeddings.sizes());
   Tensor x = embeddings, residual = continues ? *residual_in : Tensor();
+  const volatile int64_t* stop = nullptr;  // read at every layer: written by another thread
+  int64_t* run = nullptr;
+  if (interrupt.has_value() && interrupt->defined()) {
+    for (const Tensor* t : {&*interrupt, layers_run.has_value() ? &*layers_run : nullptr})
+      TORCH_CHECK(t != nullptr && t->defined() && t->scalar_type() == at::kLong && t->numel() >= 1 &&
+                      t->device().is_cpu(), op, ": interrupt and layers_run must be int64 CPU tensors of >= 1 element");
+    stop = interrupt->data_ptr<int64_t>();
+    run = layers_run->data_ptr<int64_t>();
+  }
   for (int64_t i = 0; i < layers; ++i) {
+    if (i > 0 && stop != nullptr && *stop != 0) {
+      *run = i;
+      return {x, residual};
+    }
     if (i == 0 && !continues) {
       residual = x;
       x = o.rms_norm.call(x, norms[0], eps);
@@ -152,6 +168,7 @@ std::tuple<Tensor, Tensor> decoder_layers(const Tensor& embeddings, const Tensor
     o.add_rms_norm.call(x, residual, norms[2 * i + 1], eps);
     x = linear(o.silu_and_mul.call(linear(x, 4 * i + 2)), 4 * i + 3);
   }
+  if (run != nullptr) *run = layers;
   return {x, residual};
 }
 
@@ -161,6 +178,7 @@ PAGEDSERVE_LIBRARY_FRAGMENT(m) {
   m.def("decoder_layers(Tensor x, Tensor positions, Tensor(a!)[] kv_caches, Tensor slot_mapping, "
         "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale, Tensor cos_sin, Tensor[] norms, "
         "Tensor[] weights, int[] qtypes, int[] parts, Tensor?[] biases, int[] gemm_ids, int[] heads, float eps, "
-        "bool batch_invariant=False, Tensor(b!)? residual=None) -> (Tensor, Tensor)");
+        "bool batch_invariant=False, Tensor(b!)? residual=None, Tensor? interrupt=None, Tensor(c!)? layers_run=None) "
+        "-> (Tensor, Tensor)");
   m.impl("decoder_layers", c10::DispatchKey::CPU, decoder_layers);
 }

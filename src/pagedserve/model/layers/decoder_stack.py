@@ -13,14 +13,15 @@ norm, Gemma norms, GeGLU, partial rotary or per-layer rope), no tensor paralleli
 layer kernels take. `build` checks what is fixed per model, `__call__` what depends on the step, and returns
 None to send the step through the modules.
 
-Given `between_layers`, the stack runs one layer per call and calls it after every layer but the last (the
-engine core runs an urgent request's step there, engine/urgent_steps.py); each call continues from the
-(x, residual) of the one before, so the result is the same, bit for bit.
+Given `between_layers` (BetweenLayers), the compiled loop watches its flag, which another thread may set while
+it runs: set before a layer, the loop returns there, the stack calls between_layers (the engine core runs an
+urgent request's step there, engine/urgent_steps.py) and goes on with a run of the remaining layers from the
+(x, residual) it stopped at, so the result is the same, bit for bit, and a step no one interrupts costs nothing.
 """
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
@@ -30,6 +31,13 @@ from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.model.layers.gguf_quant import GEMM_IDS, kernel_choice
 from pagedserve.model.layers.linear import Linear
 from pagedserve.model.layers.norm import RMSNorm
+
+
+class BetweenLayers(Protocol):
+    # Called between two layers when flag (int64 [1]; another thread may set it at any time) is non-zero.
+    flag: torch.Tensor
+
+    def __call__(self) -> None: ...
 
 
 class DecoderStack:
@@ -83,7 +91,7 @@ class DecoderStack:
         return cls(layers, layers[0].self_attn.rotary_emb)
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                 meta: AttentionMetadata, between_layers: Callable[[], None] | None = None,
+                 meta: AttentionMetadata, between_layers: BetweenLayers | None = None,
                  ) -> tuple[torch.Tensor, torch.Tensor] | None:
         # (last layer's output, residual), or None: run the modules.
         ops = kernels.ops_for(x, kernels.LAYER_DTYPES)
@@ -101,16 +109,17 @@ class DecoderStack:
         if between_layers is None:
             return run(x, kv_caches=kv_caches, norms=self.norms, weights=self.weights, qtypes=self.qtypes,
                        parts=self.parts, biases=self.biases, gemm_ids=gemm_ids)
-        residual = None
-        for i in range(len(kv_caches)):
-            if i:
-                between_layers()
-            a, b = self.layer_parts[i], self.layer_parts[i + 1]
-            x, residual = run(x, kv_caches=kv_caches[i:i + 1], norms=self.norms[2 * i:2 * i + 2],
-                              weights=self.weights[a:b], qtypes=self.qtypes[a:b], parts=self.parts[4 * i:4 * i + 4],
-                              biases=self.biases[4 * i:4 * i + 4], gemm_ids=gemm_ids[4 * i:4 * i + 4],
-                              residual=residual)
-        return x, residual
+        residual, start, layers_run = None, 0, torch.zeros(1, dtype=torch.int64)
+        while True:  # runs from `start` to the last layer, or to where the flag stops it
+            a = self.layer_parts[start]
+            x, residual = run(x, kv_caches=kv_caches[start:], norms=self.norms[2 * start:],
+                              weights=self.weights[a:], qtypes=self.qtypes[a:], parts=self.parts[4 * start:],
+                              biases=self.biases[4 * start:], gemm_ids=gemm_ids[4 * start:], residual=residual,
+                              interrupt=between_layers.flag, layers_run=layers_run)
+            start += int(layers_run[0])
+            if start == len(kv_caches):
+                return x, residual
+            between_layers()
 
     def _gemm_ids(self, ops, dtype: torch.dtype, m: int) -> list[int] | None:
         # Per linear, the kernel gguf_linear picks for m rows (the same kernel_choice) as GEMM_IDS codes; None
