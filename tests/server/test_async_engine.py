@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 
@@ -354,3 +355,39 @@ def test_freed_heap_is_handed_back_while_busy_not_only_when_idle(fake, monkeypat
         time.sleep(0.01)
     assert len(calls) >= 8
     assert set(calls) == {async_engine._thread.ident}
+
+
+def test_a_request_outranking_one_in_flight_is_tokenized_at_normal_priority(monkeypatch):
+    # Under the priority policy: the niced tokenizer thread waits for the cycles the engine leaves, which an urgent
+    # request must not; a request that outranks none in flight, and /tokenize, stay on the niced thread.
+    from pagedserve.config import SchedulerConfig
+
+    engine = FakeCore()
+    engine.config.scheduler = SchedulerConfig(scheduling_policy="priority")
+    async_engine = AsyncLLMEngine(engine)
+    tok = async_engine.processor.tokenizer
+    encode, niceness = tok.encode, {}
+
+    def recording_encode(text, *args, **kwargs):
+        niceness[text] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        return encode(text, *args, **kwargs)
+
+    monkeypatch.setattr(tok, "encode", recording_encode)
+
+    async def main():
+        low = await async_engine.add_request("low", "t1", SamplingParams(max_tokens=10_000), priority=5)
+        outs = [[o async for o in async_engine.generate(p, SamplingParams(max_tokens=2), p)] for p in ("t2",)]
+        same = await async_engine.add_request("same", "t3", SamplingParams(max_tokens=2), priority=5)
+        urgent = await async_engine.add_request("urgent", "t4", SamplingParams(max_tokens=2), priority=-1)
+        await async_engine.encode("t5")
+        for stream in (same, urgent):
+            outs.append([o async for o in stream])
+        low.close()
+        return outs
+
+    try:
+        outs = asyncio.run(asyncio.wait_for(main(), 10))
+    finally:
+        async_engine.shutdown()
+    assert all(o[-1].finished for o in outs)
+    assert niceness == {"t1": 19, "t2": 0, "t3": 19, "t4": 0, "t5": 19}

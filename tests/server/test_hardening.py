@@ -73,7 +73,7 @@ def test_health_follows_the_step_heartbeat(fake):
 
 
 def test_health_follows_the_tokenizer_thread(fake):
-    # Every request is tokenized on one thread: a job stuck there stalls everyone as a stuck step does.
+    # Every request is tokenized on a tokenizer thread: a job stuck there stalls everyone as a stuck step does.
     _, async_engine = fake
     app = build_app(async_engine, SimpleNamespace(health_max_stall_s=0.1))
     gate = threading.Event()
@@ -81,7 +81,8 @@ def test_health_follows_the_tokenizer_thread(fake):
     async def main():
         transport = httpx.ASGITransport(app)
         async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=10) as client:
-            stuck_job = asyncio.ensure_future(async_engine._on_tokenizer_thread(lambda proc: gate.wait(10)))
+            stuck_job = asyncio.ensure_future(async_engine._on_tokenizer_thread(
+                async_engine._tokenizer, lambda proc: gate.wait(10)))
             await asyncio.sleep(0.3)
             stuck = await client.get("/health")
             gate.set()

@@ -21,9 +21,9 @@ preemption by recompute; the worker picks the factors from the request's length,
 Urgent steps (priority policy): when requests arrive while a step is in flight, the engine core asks between its
 layers for a plan of the waiting requests that outrank every request in it (schedule_urgent) and runs it there,
 so an urgent prompt waits for one layer of a long low-priority step instead of all of it
-(engine/urgent_steps.py). That plan admits only such
-requests, beside the batch and without touching the step in flight, so the batch may hold more than
-max_num_seqs until the next step, which pauses the least urgent requests above it.
+(engine/urgent_steps.py). That plan admits only such requests, beside the batch and without touching the step in
+flight, so the batch may hold more than max_num_seqs until the next step, which pauses the least urgent requests
+above it.
 
 Plans describe requests to the worker by difference (core/plan_builder.py).
 """

@@ -22,6 +22,7 @@ class OutputStream:
     owner: Any  # the AsyncLLMEngine
     request_ids: list[str]
     delta_ids: set[str] = field(default_factory=set)  # requests whose outputs are RequestOutputKind.DELTA
+    priority: int = 0  # the requests' scheduling priority (lower first under the priority policy)
     unfinished: set[str] = field(default_factory=set)
     pending: dict[str, RequestOutput] = field(default_factory=dict)
     error: BaseException | None = None

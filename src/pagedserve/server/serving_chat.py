@@ -68,7 +68,8 @@ class OpenAIServingChat:
             template_kwargs["documents"] = req.documents
         engine = self.ctx.engine
         prompt = await engine.render_chat(ChatPrompt(messages, req.add_generation_prompt,
-                                                     template_kwargs=template_kwargs, cache_salt=req.cache_salt))
+                                                     template_kwargs=template_kwargs, cache_salt=req.cache_salt),
+                                          req.priority)
         self.ctx.limits.check_tokens([len(prompt["prompt_token_ids"])], max_tokens, req.n, engine.max_model_len)
         return params, prompt
 

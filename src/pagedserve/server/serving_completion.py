@@ -99,9 +99,9 @@ class OpenAIServingCompletion:
         engine = self.ctx.engine
 
         tokenized = []
-        for text, ids in await engine.tokenize(prompts):
+        for text, ids in await engine.tokenize(prompts, req.priority):
             # Token-id prompts are echoed as their text, decoded once their ids are known to be in the vocabulary.
-            echo = "" if not req.echo else text if text is not None else await engine.detokenize(ids)
+            echo = "" if not req.echo else text if text is not None else await engine.detokenize(ids, req.priority)
             tokenized.append((text, ids, echo))
         limits.check_tokens([len(ids) for _, ids, _ in tokenized], req.max_tokens, num_samples,
                             engine.max_model_len)
