@@ -8,7 +8,9 @@ engine flags, and on each in turn measures:
 1. idle: --num-probes urgent requests (priority 0), one at a time, each --probe-gap seconds on average after the
    last one's end (exponential gaps), alone: the reference TTFT;
 2. load alone: --num-low long requests (priority --low-priority) sent at once, more than --max-num-seqs, so
-   the batch and the queue are full: their output tokens/s;
+   the batch and the queue are full: their output tokens/s. All of the same length unless --low-len-spread:
+   such a load runs in lockstep waves when it happens to start together, which the probes break (a cost of
+   their own beside their work: benchmarks/README.md);
 3. load + probes: the same load, and the same probes once it runs: the probes' TTFT and the load's tokens/s.
    Only probes sent before the load ended count in (3) (`probes_during_load`); the defaults send all of them
    while it runs on a 2-core Xeon (about 10 s of load).
@@ -59,8 +61,8 @@ async def probes(ep: Endpoint, args, variant: int) -> list:
 
 
 async def low_load(ep: Endpoint, args, variant: int, priority: int) -> tuple[float, float, int, int]:
-    reqs = random_requests(args.num_low, (args.low_input_len,) * 2, (args.low_output_len,) * 2, seed=2,
-                           variant=variant)
+    reqs = random_requests(args.num_low, spread(args.low_input_len, args.low_len_spread),
+                           spread(args.low_output_len, args.low_len_spread), seed=2, variant=variant)
     sampling = {"temperature": 0.0, "ignore_eos": True, **({"priority": priority} if priority else {})}
     start = time.perf_counter()
     async with make_client(None, 3600.0) as client:
@@ -69,6 +71,11 @@ async def low_load(ep: Endpoint, args, variant: int, priority: int) -> tuple[flo
     if failed:
         raise RuntimeError(f"{len(failed)} low-priority requests failed: {failed[0]}")
     return start, time.perf_counter(), sum(r.output_tokens for r in results), sum(r.prompt_len for r in results)
+
+
+def spread(length: int, fraction: float) -> tuple[int, int]:
+    # Lengths drawn from length * (1 -+ fraction): the same in every round (they depend on the seed only).
+    return round(length * (1 - fraction)), round(length * (1 + fraction))
 
 
 def summary(results: list) -> dict:
@@ -132,6 +139,9 @@ def main() -> int:
     p.add_argument("--low-input-len", type=int, default=256)
     p.add_argument("--low-output-len", type=int, default=256)
     p.add_argument("--low-priority", type=int, default=10)
+    p.add_argument("--low-len-spread", type=float, default=0.0, metavar="FRACTION",
+                   help="draw the load's input and output lengths from len * (1 -+ FRACTION); 0: all the same, so "
+                        "the load runs in lockstep waves, which any urgent request breaks")
     p.add_argument("--num-probes", type=int, default=8)
     p.add_argument("--probe-input-len", type=int, default=64)
     p.add_argument("--probe-output-len", type=int, default=16)
