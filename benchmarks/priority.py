@@ -35,7 +35,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import machine_info  # noqa: E402
-from serving import Server, free_port  # noqa: E402
+from serving import Server, free_port, scrape  # noqa: E402
 
 from pagedserve.bench.client import Endpoint, send_request  # noqa: E402
 from pagedserve.bench.dataset import random_requests  # noqa: E402
@@ -85,12 +85,28 @@ def summary(results: list) -> dict:
             "prompt_tokens": sum(r.prompt_len for r in results)}
 
 
+# The server's counters of each phase: what it computed beyond the requests' tokens (prompts computed again after
+# a preemption that gave its blocks back, prefix-cache hits) and how often it paused or preempted a request.
+COUNTERS = ("num_preemptions_total", "prompt_tokens_total", "generation_tokens_total", "prefix_cache_queries_total",
+            "prefix_cache_hits_total")
+
+
+def counted(url: str, before: dict[str, float]) -> dict[str, float]:
+    after = scrape(url)
+    return {name: after[f"pagedserve:{name}"] - before[f"pagedserve:{name}"] for name in COUNTERS}
+
+
 async def measure(ep: Endpoint, args, low_priority: int) -> dict:
     idle = summary([r for _, r in await probes(ep, args, variant=1)])
     rounds, loaded_probes = [], []
+    server_url = ep.base_url.removesuffix("/v1")
     for r in range(args.rounds):
+        counters = {}
+
         async def alone() -> tuple[float, int]:
+            before = scrape(server_url)
             start, end, tokens, _ = await low_load(ep, args, 2 * r + 1, low_priority)
+            counters["alone"] = counted(server_url, before)
             return end - start, tokens
 
         async def probes_after_start() -> list:
@@ -98,7 +114,10 @@ async def measure(ep: Endpoint, args, low_priority: int) -> dict:
             return await probes(ep, args, variant=100 + r)
 
         async def with_probes() -> tuple:
-            return await asyncio.gather(low_load(ep, args, 2 * r + 2, low_priority), probes_after_start())
+            before = scrape(server_url)
+            out = await asyncio.gather(low_load(ep, args, 2 * r + 2, low_priority), probes_after_start())
+            counters["with_probes"] = counted(server_url, before)
+            return out
 
         # In turns (alone first in even rounds, second in odd ones), so a drift over the server's life does not
         # count against one of the two.
@@ -118,6 +137,7 @@ async def measure(ep: Endpoint, args, low_priority: int) -> dict:
             "low_with_probes": {"seconds": loaded_s, "output_tokens_per_s": loaded_tokens / loaded_s},
             "probes_during_load": len(during),
             "probes": p,
+            "server_counters": counters,
             "low_throughput_drop": 1 - (loaded_tokens / loaded_s) / (alone_tokens / alone_s),
             # the share of the probes sent during the load in its output, and in all it computed (prompt + output)
             "probe_token_share": p["output_tokens"] / (p["output_tokens"] + loaded_tokens),
@@ -169,8 +189,9 @@ def main() -> int:
         finally:
             server.stop()
         report["servers"][name] = {"command": " ".join(server.cmd[1:]), **result}
-        print(f"{name}: probes TTFT p99 idle {result['idle']['ttft_p99_s']:.3f} s, under load "
-              f"{result['loaded']['ttft_p99_s']:.3f} s ({result.get('ttft_p99_loaded_over_idle', 0):.2f}x; p50 "
+        nan = float("nan")  # no probe ran during the load (it was too short)
+        print(f"{name}: probes TTFT p99 idle {result['idle']['ttft_p99_s'] or nan:.3f} s, under load "
+              f"{result['loaded']['ttft_p99_s'] or nan:.3f} s ({result.get('ttft_p99_loaded_over_idle', 0):.2f}x; p50 "
               f"{result.get('ttft_p50_loaded_over_idle', 0):.2f}x); "
               f"load throughput drop (median of {args.rounds}) {result['low_throughput_drop']:.1%}, probes' "
               f"share of the work {result['probe_work_share']:.1%} (of output {result['probe_token_share']:.1%})",

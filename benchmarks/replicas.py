@@ -21,7 +21,6 @@ import argparse
 import asyncio
 import os
 import random
-import re
 import sys
 import time
 
@@ -29,7 +28,7 @@ import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import machine_info, write_json  # noqa: E402
-from serving import Server, free_port  # noqa: E402
+from serving import Server, free_port, scrape  # noqa: E402
 
 from pagedserve.bench.client import Endpoint, send_request  # noqa: E402
 from pagedserve.bench.dataset import WORDS, BenchRequest  # noqa: E402
@@ -37,16 +36,6 @@ from pagedserve.bench.metrics import percentiles  # noqa: E402
 from pagedserve.bench.runner import make_client  # noqa: E402
 
 ROUTER = "/work/tools/router-venv/bin/vllm-router"
-
-
-def scrape(url: str) -> dict[str, float]:
-    # Unlabelled-by-reason totals of one replica: {series name: value summed over its label sets}.
-    out: dict[str, float] = {}
-    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
-        m = re.match(r"^(pagedserve:\w+)(?:\{.*\})? (\S+)$", line)
-        if m:
-            out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
-    return out
 
 
 def make_sessions(args) -> tuple[list[str], list[tuple[float, int, list[str]]]]:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -79,6 +80,16 @@ class Server:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def scrape(url: str) -> dict[str, float]:
+    # A pagedserve server's series: {name: value summed over its label sets}.
+    out: dict[str, float] = {}
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        m = re.match(r"^(pagedserve:\w+)(?:\{.*\})? (\S+)$", line)
+        if m:
+            out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
+    return out
 
 
 def free_port() -> int:
