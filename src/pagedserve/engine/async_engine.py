@@ -25,7 +25,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 from pagedserve.core.request import RequestStatus
 from pagedserve.core.scheduler_output import SchedulerStats
@@ -467,26 +467,25 @@ class AsyncLLMEngine:
             self._wakeup.clear()
             self._run_commands()
 
-    def _run_commands(self) -> None:
+    def _queued(self) -> Iterator[_Queued]:
+        # The commands queued so far, in order; clears the flag that says requests were added first.
         self._pending[0] = 0
-        while self._deferred:
-            self._run_queued(self._deferred.popleft())
         while True:
             try:
-                queued = self._commands.get_nowait()
+                yield self._commands.get_nowait()
             except queue.Empty:
                 return
+
+    def _run_commands(self) -> None:
+        while self._deferred:
+            self._run_queued(self._deferred.popleft())
+        for queued in self._queued():
             self._run_queued(queued)
 
     def _take_arrivals(self) -> None:
         # Inside a step (EngineCore.arrivals): added requests enter the core now, other commands wait for the
         # step's end (a finish must not free blocks the step is writing).
-        self._pending[0] = 0
-        while True:
-            try:
-                queued = self._commands.get_nowait()
-            except queue.Empty:
-                return
+        for queued in self._queued():
             if isinstance(queued.command, AddRequests):
                 self._run_queued(queued)
             else:
